@@ -1,0 +1,41 @@
+"""The `dostune` command line: a thin layer over the library API."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .._version import __version__
+from . import profile as _profile
+
+app = typer.Typer(
+    name="dostune",
+    help="Deep Optimizer States for DeepSpeed ZeRO-3: profile a node, tune the interleaved CPU+GPU "
+         "optimizer schedule, train with it, and benchmark it against DeepSpeed's offload.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"dostune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                                 help="Print the version and exit.")):
+    pass
+
+
+app.command("profile")(_profile.profile)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

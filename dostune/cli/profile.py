@@ -1,0 +1,90 @@
+"""`dostune profile`: measure the node (and, with --model, a model on it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import DostuneError
+from ..profile.node import NodeProfileOptions, measure_node
+from ..profile.record import node_profile_schema, save_record
+from ..profile.summary import summary_rows
+from .common import RichProgress, err_console, handle_errors, print_json
+
+
+def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        sizes = [int(float(x) * unit) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DostuneError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise DostuneError(f"{what}: sizes must be positive, got {text!r}")
+    return sizes
+
+
+def render_profile(profile) -> Table:
+    table = Table(title=f"node profile: {profile.name}", show_lines=False)
+    table.add_column("what", style="bold")
+    table.add_column("median", justify="right")
+    table.add_column("spread and fit", style="dim")
+    for row in summary_rows(profile):
+        table.add_row(row.what, row.value, row.detail)
+    return table
+
+
+@handle_errors
+def profile(
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Where to write the profile JSON. Default: runs/profiles/NAME.json"),
+    name: Optional[str] = typer.Option(None, help="Label for this node, e.g. h100-pcie5. Default: derived from the GPU."),
+    repeats: int = typer.Option(5, min=1, help="Timed repeats per measurement; medians and min-max spread are kept."),
+    device: int = typer.Option(0, min=0, help="CUDA device index to profile."),
+    quick: bool = typer.Option(False, help="Tiny sizes, 2 repeats: a smoke test in seconds, not a usable profile."),
+    dtype: str = typer.Option("bf16", help="Half precision the model trains in: bf16 or fp16 (conversion cost)."),
+    cpu_adam_threads: Optional[str] = typer.Option(None, help="Comma-separated OpenMP thread counts for CPU Adam. "
+                                                   "Default: 1, cores/4, cores/2, 3*cores/4, cores."),
+    copy_sizes_mib: Optional[str] = typer.Option(None, help="Comma-separated copy sizes in MiB. Default: 4,16,64,256,1024."),
+    no_contention: bool = typer.Option(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
+    json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
+    schema: bool = typer.Option(False, "--schema", help="Print the profile's JSON schema and exit."),
+):
+    """Measure this node and write a versioned JSON profile.
+
+    Measures PCIe bandwidth (H2D, D2H, both at once, pageable H2D) over sizes, DeepSpeed's CPU Adam over
+    sizes and thread counts, the GPU lane's fused Adam, fp32->half conversion on CPU and GPU, and CPU
+    Adam slowed down by concurrent DMA.
+
+    Without a GPU only the CPU side is measured and the GPU side is reported as not available.
+    Takes one to two minutes on a GPU node (DeepSpeed's CPU Adam is built on first use, about a minute).
+
+    Example: dostune profile --name h100-pcie5 --output profiles/h100-pcie5.json
+    """
+    if schema:
+        print_json(node_profile_schema())
+        return
+    opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
+    opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
+    opts.contention = not no_contention
+    opts.cpu_adam_threads = _parse_sizes(cpu_adam_threads, 1, "--cpu-adam-threads") or opts.cpu_adam_threads
+    opts.copy_sizes_bytes = _parse_sizes(copy_sizes_mib, 1 << 20, "--copy-sizes-mib") or opts.copy_sizes_bytes
+    opts.validate()
+    if output is not None and output.exists() and not force:
+        raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
+    with RichProgress() as progress:
+        prof = measure_node(opts, progress)
+    path = output or Path("runs/profiles") / f"{prof.name}.json"
+    if output is None and path.exists() and not force:
+        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
+    save_record(prof, path)
+    err_console.print(render_profile(prof))
+    for note in prof.notes:
+        err_console.print(f"[yellow]note:[/] {note}")
+    err_console.print(f"profile written to [bold]{path}[/]")
+    if json_out:
+        print_json(prof)

@@ -1,0 +1,113 @@
+"""`dostune profile` for the node: run every measurement and assemble a NodeProfile."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .._version import __version__
+from . import identity
+from .copies import measure_copies
+from .record import NODE_SCHEMA_VERSION, NodeProfile
+from .throughput import default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_gpu_adam
+from .timing import NullProgress, ProgressSink
+
+MiB = 1 << 20
+M = 1_000_000
+
+
+@dataclass
+class NodeProfileOptions:
+    """What to measure. The defaults take one to two minutes on a GPU node."""
+
+    name: Optional[str] = None
+    repeats: int = 5
+    device: int = 0
+    copy_sizes_bytes: list[int] = field(default_factory=lambda: [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB])
+    cpu_adam_elements: Optional[list[int]] = None  # default depends on GPU/no GPU, see resolved()
+    cpu_adam_threads: Optional[list[int]] = None
+    gpu_adam_elements: list[int] = field(default_factory=lambda: [4 * M, 16 * M, 64 * M, 256 * M])
+    convert_elements: list[int] = field(default_factory=lambda: [4 * M, 16 * M, 64 * M, 256 * M])
+    half_dtype: str = "bf16"
+    contention: bool = True
+
+    @classmethod
+    def tiny(cls) -> "NodeProfileOptions":
+        """Seconds instead of minutes: for tests and smoke runs."""
+        return cls(repeats=2, copy_sizes_bytes=[1 * MiB, 4 * MiB], cpu_adam_elements=[100_000, 400_000],
+                   cpu_adam_threads=[1], gpu_adam_elements=[1 * M, 4 * M], convert_elements=[100_000, 400_000])
+
+    def validate(self) -> None:
+        from ..errors import DostuneError
+
+        if self.repeats < 1:
+            raise DostuneError(f"--repeats must be at least 1, got {self.repeats}")
+        for label, sizes in (("copy sizes", self.copy_sizes_bytes), ("GPU Adam sizes", self.gpu_adam_elements),
+                             ("conversion sizes", self.convert_elements),
+                             ("CPU Adam sizes", self.cpu_adam_elements or [1])):
+            if not sizes or any(s <= 0 for s in sizes):
+                raise DostuneError(f"{label} must be positive, got {sizes}")
+        if self.half_dtype not in ("bf16", "fp16"):
+            raise DostuneError(f"--dtype must be bf16 or fp16, got {self.half_dtype!r}")
+
+
+def default_name(gpu) -> str:
+    if gpu is None:
+        return f"cpu-{os.cpu_count()}c"
+    short = gpu.name.replace("NVIDIA ", "").split()[0].lower()
+    if gpu.pcie is not None:
+        return f"{short}-pcie{gpu.pcie.max_generation}"
+    return short
+
+
+def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = None,
+                 command: Optional[str] = None) -> NodeProfile:
+    opts.validate()
+    progress = progress or NullProgress()
+    host = identity.host_info()
+    has_gpu = identity.cuda_available()
+    notes: list[str] = []
+    if has_gpu and opts.device >= torch.cuda.device_count():
+        from ..errors import DostuneError
+
+        raise DostuneError(f"--device {opts.device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+    gpu = identity.gpu_info(opts.device) if has_gpu else None
+    if not has_gpu:
+        notes.append(f"GPU measurements not available: {identity.no_gpu_reason()}. "
+                     "Only the CPU side (CPU Adam, CPU conversion) was measured.")
+    elif gpu.pcie is None:
+        notes.append("NVML did not report the PCIe link (no NVML library or unsupported query).")
+    cores = host.logical_cores
+    threads = opts.cpu_adam_threads or default_thread_counts(cores)
+    cpu_sizes = opts.cpu_adam_elements or ([8 * M, 32 * M, 128 * M] if has_gpu else [4 * M, 16 * M, 64 * M])
+
+    copies = measure_copies(opts.copy_sizes_bytes, opts.repeats, opts.device, progress) if has_gpu else None
+    cpu_adam = measure_cpu_adam(cpu_sizes, threads, opts.repeats, progress)
+    gpu_adam = measure_gpu_adam(opts.gpu_adam_elements, opts.repeats, opts.device, progress) if has_gpu else None
+    convert = measure_convert(opts.convert_elements, opts.repeats, opts.half_dtype, cpu_adam.best_threads,
+                              opts.device if has_gpu else None, progress)
+    contention = None
+    if has_gpu and opts.contention:
+        contention = measure_contention(max(cpu_sizes), cpu_adam.best_threads, opts.repeats, opts.device,
+                                        chunk_bytes=min(256 * MiB, max(opts.copy_sizes_bytes)), progress=progress)
+    return NodeProfile(
+        schema_version=NODE_SCHEMA_VERSION,
+        name=opts.name or default_name(gpu),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        dostune_version=__version__,
+        repeats=opts.repeats,
+        host=host,
+        gpu=gpu,
+        notes=notes,
+        copies=copies,
+        cpu_adam=cpu_adam,
+        gpu_adam=gpu_adam,
+        convert=convert,
+        contention=contention,
+    )

@@ -1,0 +1,174 @@
+"""Optimizer-side throughputs: DeepSpeedCPUAdam, the GPU lane's fused Adam, fp32->half conversion,
+and CPU Adam slowed down by concurrent PCIe DMA."""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from ..optim.kernels import fused_adam_, load_cpu_adam_op
+from ..stats import Stat
+from .record import ContentionProfile, ConvertProfile, CpuAdamProfile, Sample, Series, fit_series
+from .timing import NullProgress, ProgressSink, time_cpu, time_cuda
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _threads:
+    """Set torch's (and so DeepSpeedCPUAdam's OpenMP) thread count for a block."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.prev)
+
+
+class CpuAdamBench:
+    """DeepSpeedCPUAdam on one flat fp32 tensor, as the offloaded ZeRO-3 optimizer calls it per subgroup."""
+
+    _next_id = 10_000  # clear of the ids DeepSpeedCPUAdam hands out to real optimizers
+
+    def __init__(self, elements: int):
+        self.op = load_cpu_adam_op()
+        self.opt_id = CpuAdamBench._next_id
+        CpuAdamBench._next_id += 1
+        self.op.create_adam(self.opt_id, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, False)
+        gen = torch.Generator().manual_seed(0)
+        self.p = torch.randn(elements, generator=gen)
+        self.g = torch.randn(elements, generator=gen) * 1e-3
+        self.m = torch.zeros(elements)
+        self.v = torch.zeros(elements)
+        self.step_no = 0
+
+    def step(self, n: Optional[int] = None) -> None:
+        self.step_no += 1
+        sl = slice(0, n)
+        self.op.adam_update(self.opt_id, self.step_no, 1e-4, 0.9, 0.999, 1e-8, 0.01, True,
+                            self.p[sl], self.g[sl], self.m[sl], self.v[sl])
+
+    def close(self) -> None:
+        self.op.destroy_adam(self.opt_id)
+
+
+def default_thread_counts(cores: int) -> list[int]:
+    return sorted({max(1, c) for c in (1, cores // 4, cores // 2, (3 * cores) // 4, cores)})
+
+
+def measure_cpu_adam(sizes: Sequence[int], threads: Sequence[int], repeats: int,
+                     progress: Optional[ProgressSink] = None) -> CpuAdamProfile:
+    progress = progress or NullProgress()
+    progress.start("building/loading DeepSpeed CPU Adam (first build takes about a minute)", 1)
+    bench = CpuAdamBench(max(sizes))
+    progress.advance()
+    progress.start("DeepSpeedCPUAdam over sizes and threads", len(sizes) * len(threads) * repeats)
+    by_threads: dict[int, Series] = {}
+    try:
+        for t in threads:
+            pts = []
+            with _threads(t):
+                for n in sizes:
+                    pts.append(Sample(size=n, threads=t, seconds=time_cpu(lambda: bench.step(n), repeats,
+                                                                          progress=progress)))
+            by_threads[t] = fit_series("elements", pts)
+    finally:
+        bench.close()
+    best = max(by_threads, key=lambda t: by_threads[t].fit.rate_per_s)
+    return CpuAdamProfile(by_threads=by_threads, best_threads=best)
+
+
+def measure_gpu_adam(sizes: Sequence[int], repeats: int, device: int = 0,
+                     progress: Optional[ProgressSink] = None) -> Series:
+    progress = progress or NullProgress()
+    progress.start("GPU fused Adam", len(sizes) * repeats)
+    dev = torch.device("cuda", device)
+    top = max(sizes)
+    p, g = torch.randn(top, device=dev), torch.randn(top, device=dev) * 1e-3
+    m, v = torch.zeros(top, device=dev), torch.zeros(top, device=dev)
+    step = torch.ones((), device=dev)
+    pts = []
+    for n in sizes:
+        def run():
+            fused_adam_([p[:n]], [g[:n]], [m[:n]], [v[:n]], step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01, adamw_mode=True)
+        pts.append(Sample(size=n, seconds=time_cuda(run, repeats, inner=max(1, (64 << 20) // n),
+                                                    progress=progress)))
+    del p, g, m, v
+    torch.cuda.empty_cache()
+    return fit_series("elements", pts)
+
+
+def measure_convert(sizes: Sequence[int], repeats: int, dtype: str, cpu_threads: int, device: Optional[int],
+                    progress: Optional[ProgressSink] = None) -> ConvertProfile:
+    progress = progress or NullProgress()
+    half = HALF[dtype]
+    progress.start(f"fp32 -> {dtype} conversion", len(sizes) * repeats * (2 if device is not None else 1))
+    top = max(sizes)
+    src = torch.randn(top)
+    dst = torch.empty(top, dtype=half)
+    with _threads(cpu_threads):
+        cpu = fit_series("elements", [Sample(size=n, threads=cpu_threads, seconds=time_cpu(
+            lambda: dst[:n].copy_(src[:n]), repeats, progress=progress)) for n in sizes])
+    gpu = None
+    if device is not None:
+        dev = torch.device("cuda", device)
+        gsrc, gdst = src.to(dev), dst.to(dev)
+        gpu = fit_series("elements", [Sample(size=n, seconds=time_cuda(
+            lambda: gdst[:n].copy_(gsrc[:n]), repeats, inner=max(1, (64 << 20) // n), progress=progress))
+            for n in sizes])
+        del gsrc, gdst
+        torch.cuda.empty_cache()
+    return ConvertProfile(dtype=dtype, cpu=cpu, gpu=gpu)
+
+
+def measure_contention(elements: int, threads: int, repeats: int, device: int = 0,
+                       chunk_bytes: int = 256 << 20, progress: Optional[ProgressSink] = None) -> ContentionProfile:
+    """CPU Adam alone, then with both PCIe directions streaming pinned memory underneath it.
+
+    DeepSpeedCPUAdam holds the GIL, so no Python thread could feed copies during its step: enough
+    copies to outlast the step are queued on two streams first, and the DMA engines run them while
+    the CPU computes."""
+    progress = progress or NullProgress()
+    progress.start("CPU Adam under concurrent PCIe traffic", 2 * repeats)
+    dev = torch.device("cuda", device)
+    bench = CpuAdamBench(elements)
+    host_up = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    host_down = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    dev_up = torch.empty(chunk_bytes, dtype=torch.uint8, device=dev)
+    dev_down = torch.empty(chunk_bytes, dtype=torch.uint8, device=dev)
+    up, down = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+    try:
+        with _threads(threads):
+            alone = time_cpu(bench.step, repeats, progress=progress)
+            # Queue copies for ~3x the step, at a generous 60 GB/s per direction.
+            n_chunks = max(4, int(3 * alone.median * 60e9 / chunk_bytes))
+            samples, rates = [], []
+            for _ in range(repeats):
+                torch.cuda.synchronize(dev)
+                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_ev.record(up)
+                for _ in range(n_chunks):
+                    with torch.cuda.stream(up):
+                        dev_up.copy_(host_up, non_blocking=True)
+                    with torch.cuda.stream(down):
+                        host_down.copy_(dev_down, non_blocking=True)
+                end_ev.record(up)
+                time.sleep(0.002)  # let the DMA engines get going before the CPU step starts
+                t0 = time.perf_counter()
+                bench.step()
+                samples.append(time.perf_counter() - t0)
+                end_ev.synchronize()
+                torch.cuda.synchronize(dev)
+                rates.append(n_chunks * chunk_bytes / (start_ev.elapsed_time(end_ev) / 1e3) / 1e9)
+                progress.advance()
+    finally:
+        bench.close()
+        del host_up, host_down, dev_up, dev_down
+        torch.cuda.empty_cache()
+    return ContentionProfile(elements=elements, threads=threads, alone_s=alone, with_dma_s=Stat.of(samples),
+                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2))

@@ -1,0 +1,67 @@
+"""Timing primitives shared by the profilers: host clocks for CPU work, CUDA events for GPU work."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from ..stats import Stat
+
+
+class ProgressSink(Protocol):
+    """Where long measurements report progress. The CLI passes a rich progress bar."""
+
+    def start(self, description: str, total: int) -> None: ...
+
+    def advance(self, n: int = 1) -> None: ...
+
+
+class NullProgress:
+    def start(self, description: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+def time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1,
+             progress: Optional[ProgressSink] = None) -> Stat:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+        if progress:
+            progress.advance()
+    return Stat.of(samples)
+
+
+def time_cuda(fn: Callable[[], object], repeats: int, inner: int = 1, warmup: int = 1,
+              stream: Optional[torch.cuda.Stream] = None, progress: Optional[ProgressSink] = None) -> Stat:
+    """Median seconds of one call of ``fn``, timed with CUDA events around ``inner`` back-to-back calls,
+    so that sub-millisecond operations are not dominated by event resolution."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        stream.synchronize()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(inner):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+            if progress:
+                progress.advance()
+    return Stat.of(samples)
+
+
+def inner_repeats(size_bytes: int, target_bytes: int = 256 << 20, cap: int = 64) -> int:
+    """How many back-to-back copies make one timed sample of at least ``target_bytes``."""
+    return max(1, min(cap, target_bytes // max(size_bytes, 1)))

@@ -1,0 +1,45 @@
+"""Robust summaries of repeated measurements: medians with their spread."""
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+from pydantic import BaseModel, Field
+
+
+class Stat(BaseModel):
+    """Median of repeated samples, with the smallest and largest sample as the spread."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int = Field(ge=1)
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Stat":
+        if not samples:
+            raise ValueError("Stat.of needs at least one sample")
+        return cls(median=statistics.median(samples), lo=min(samples), hi=max(samples), n=len(samples))
+
+    @property
+    def rel_spread(self) -> float:
+        """Half the min-max range over the median: a noise figure comparable across sizes."""
+        return 0.0 if self.median == 0 else (self.hi - self.lo) / (2 * abs(self.median))
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares y = a + b*x. Returns (a, b, r2). Used for time = overhead + bytes/bandwidth."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("linear_fit needs two or more (x, y) pairs")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("linear_fit needs at least two distinct x values")
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    b = sxy / sxx
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - (a + b * x)) ** 2 for x, y in zip(xs, ys))
+    r2 = 1.0 if ss_tot == 0 else 1.0 - ss_res / ss_tot
+    return a, b, r2

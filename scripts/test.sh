@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install what the tests need into .venv and run the suite (GPU tests skip without a GPU).
+# This is the README's test command; .ci/run calls exactly this.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test || exit 1
+. .venv/bin/activate
+python -m pytest -q "$@"
+rc=$?
+if [ $rc -eq 5 ]; then
+  echo "pytest collected no tests: treating as a failure" >&2
+  exit 1
+fi
+exit $rc

@@ -1,0 +1,112 @@
+import json
+
+import pytest
+
+from dostune.errors import ProfileError
+from dostune.profile.node import NodeProfileOptions, measure_node
+from dostune.profile.record import (NODE_SCHEMA_VERSION, LinearCost, Sample, fit_series, load_node_profile,
+                                    node_profile_schema, save_record)
+from dostune.stats import Stat, linear_fit
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    return measure_node(NodeProfileOptions.tiny(), command="pytest")
+
+
+def test_linear_fit_recovers_line():
+    a, b, r2 = linear_fit([1, 2, 3, 4], [3, 5, 7, 9])
+    assert a == pytest.approx(1) and b == pytest.approx(2) and r2 == pytest.approx(1)
+
+
+def test_fit_series_has_bandwidth_and_overhead():
+    pts = [Sample(size=s, seconds=Stat.of([1e-5 + s / 50e9])) for s in (4 << 20, 64 << 20, 1 << 30)]
+    s = fit_series("bytes", pts)
+    assert s.fit.rate_per_s == pytest.approx(50e9, rel=1e-6)
+    assert s.fit.overhead_s == pytest.approx(1e-5, rel=1e-3)
+    assert s.fit.time(1 << 30) == pytest.approx(1e-5 + (1 << 30) / 50e9)
+
+
+def test_fit_series_never_reports_negative_overhead():
+    pts = [Sample(size=s, seconds=Stat.of([t])) for s, t in ((1000, 1e-7), (2000, 5e-7), (4000, 9e-7))]
+    s = fit_series("elements", pts)
+    assert s.fit.overhead_s == 0 and s.fit.rate_per_s > 0
+
+
+def test_stat_of_reports_median_and_spread():
+    s = Stat.of([3.0, 1.0, 2.0])
+    assert (s.median, s.lo, s.hi, s.n) == (2.0, 1.0, 3.0, 3)
+    assert s.rel_spread == pytest.approx(0.5)
+
+
+def test_cpu_measurements_on_tiny_sizes(tiny_profile):
+    p = tiny_profile
+    assert p.schema_version == NODE_SCHEMA_VERSION
+    assert p.cpu_adam.best_threads in p.cpu_adam.by_threads
+    series = p.cpu_adam.by_threads[p.cpu_adam.best_threads]
+    assert [pt.size for pt in series.points] == [100_000, 400_000]
+    assert all(pt.seconds.median > 0 and pt.seconds.n == 2 for pt in series.points)
+    # DeepSpeedCPUAdam does at least 50 M elements/s even on a tiny, busy CI core
+    assert series.fit.rate_per_s > 5e7
+    assert p.convert.cpu.fit.rate_per_s > 5e7
+
+
+def test_no_gpu_is_reported_not_crashed(tiny_profile):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("machine has a GPU")
+    p = tiny_profile
+    assert p.gpu is None and p.copies is None and p.gpu_adam is None and p.convert.gpu is None
+    assert any("GPU measurements not available" in n for n in p.notes)
+    assert not p.has_gpu
+
+
+def test_round_trip(tiny_profile, tmp_path):
+    path = save_record(tiny_profile, tmp_path / "p.json")
+    again = load_node_profile(path)
+    assert again == tiny_profile
+    assert json.loads(path.read_text())["kind"] == "dostune.node-profile"
+
+
+def _write(tmp_path, data):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return f
+
+
+def test_load_errors_name_the_problem(tiny_profile, tmp_path):
+    good = json.loads(tiny_profile.model_dump_json())
+
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_node_profile(tmp_path / "missing.json")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_node_profile(_write(tmp_path, "{nope"))
+    with pytest.raises(ProfileError, match="schema_version"):
+        load_node_profile(_write(tmp_path, {k: v for k, v in good.items() if k != "schema_version"}))
+    with pytest.raises(ProfileError, match="older dostune"):
+        load_node_profile(_write(tmp_path, {**good, "schema_version": 0}))
+
+    broken = json.loads(json.dumps(good))
+    del broken["cpu_adam"]["best_threads"]
+    with pytest.raises(ProfileError, match=r"field 'cpu_adam.best_threads'"):
+        load_node_profile(_write(tmp_path, broken))
+
+    broken = json.loads(json.dumps(good))
+    broken["host"]["logical_cores"] = "many"
+    with pytest.raises(ProfileError, match=r"field 'host.logical_cores'"):
+        load_node_profile(_write(tmp_path, broken))
+
+    with pytest.raises(ProfileError, match="unexpected|Extra inputs"):
+        load_node_profile(_write(tmp_path, {**good, "typo_field": 1}))
+
+
+def test_schema_is_json_schema():
+    schema = node_profile_schema()
+    assert schema["title"] == "NodeProfile"
+    assert "copies" in schema["properties"]
+
+
+def test_linear_cost_time():
+    c = LinearCost(overhead_s=1e-3, rate_per_s=1e9, r2=1.0)
+    assert c.time(1e9) == pytest.approx(1.001)
