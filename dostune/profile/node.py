@@ -88,7 +88,8 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
 
     copies = measure_copies(opts.copy_sizes_bytes, opts.repeats, opts.device, progress) if has_gpu else None
     cpu_adam = measure_cpu_adam(cpu_sizes, threads, opts.repeats, progress)
-    gpu_adam = measure_gpu_adam(opts.gpu_adam_elements, opts.repeats, opts.device, progress) if has_gpu else None
+    gpu_adam = (measure_gpu_adam(opts.gpu_adam_elements, opts.repeats, opts.device, opts.half_dtype, progress)
+                if has_gpu else None)
     convert = measure_convert(opts.convert_elements, opts.repeats, opts.half_dtype, cpu_adam.best_threads,
                               opts.device if has_gpu else None, progress)
     contention = None

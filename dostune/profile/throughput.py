@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..optim.kernels import fused_adam_, load_cpu_adam_op
+from ..optim.kernels import AdamScalarShadow, load_cpu_adam_op, triton_adam_
 from ..stats import Stat
 from .record import ContentionProfile, ConvertProfile, CpuAdamProfile, Sample, Series, fit_series
 from .timing import NullProgress, ProgressSink, time_cpu, time_cuda
@@ -82,23 +82,27 @@ def measure_cpu_adam(sizes: Sequence[int], threads: Sequence[int], repeats: int,
     return CpuAdamProfile(by_threads=by_threads, best_threads=best)
 
 
-def measure_gpu_adam(sizes: Sequence[int], repeats: int, device: int = 0,
+def measure_gpu_adam(sizes: Sequence[int], repeats: int, device: int = 0, half_dtype: str = "bf16",
                      progress: Optional[ProgressSink] = None) -> Series:
+    """The GPU lane's kernel as the optimizer runs it: unscale, DeepSpeed-exact AdamW on fp32 state, and
+    the half-precision copy of the new params, in one pass."""
     progress = progress or NullProgress()
-    progress.start("GPU fused Adam", len(sizes) * repeats)
+    progress.start("GPU lane Adam (Triton, DeepSpeed-exact)", len(sizes) * repeats)
     dev = torch.device("cuda", device)
     top = max(sizes)
     p, g = torch.randn(top, device=dev), torch.randn(top, device=dev) * 1e-3
     m, v = torch.zeros(top, device=dev), torch.zeros(top, device=dev)
-    step = torch.ones((), device=dev)
+    half = torch.empty(top, device=dev, dtype=HALF[half_dtype])
+    shadow = AdamScalarShadow(0.9, 0.999)
+    shadow.increment(1, 0.9, 0.999)
+    scalars = shadow.scalars(1e-4, 1e-8, 0.01, True, True)
     pts = []
     for n in sizes:
         def run():
-            fused_adam_([p[:n]], [g[:n]], [m[:n]], [v[:n]], step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.01, adamw_mode=True)
+            triton_adam_(p[:n], g[:n], m[:n], v[:n], half[:n], 1.0, scalars)
         pts.append(Sample(size=n, seconds=time_cuda(run, repeats, inner=max(1, (64 << 20) // n),
                                                     progress=progress)))
-    del p, g, m, v
+    del p, g, m, v, half
     torch.cuda.empty_cache()
     return fit_series("elements", pts)
 

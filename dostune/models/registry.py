@@ -1,0 +1,150 @@
+"""Built-in model presets and the loader for a user's own model (``package.module:factory``).
+
+A model spec couples a module builder with a batch factory. Presets are decoder LMs with random
+weights; a user factory is a callable returning ``(model, batch_fn)`` where ``model(**batch)`` returns a
+scalar loss (or an object with ``.loss``) and ``batch_fn(micro_batch, seq, generator, device)`` returns
+the keyword arguments of one micro-batch.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..errors import DostuneError
+from .decoder import DecoderConfig, DecoderLM, count_parameters, synthetic_batch
+
+BatchFn = Callable[[int, int, torch.Generator, torch.device], dict]
+
+PRESETS: dict[str, DecoderConfig] = {
+    # tiny shapes for tests and CPU smoke runs
+    "gpt2-tiny": DecoderConfig("gpt2", layers=2, hidden=64, heads=4, vocab=512, max_positions=128),
+    "llama-tiny": DecoderConfig("llama", layers=2, hidden=64, heads=4, vocab=512, max_positions=128, ffn=172,
+                                kv_heads=2),
+    "gpt2-small-test": DecoderConfig("gpt2", layers=4, hidden=256, heads=4, vocab=4096, max_positions=256),
+    # GPT-2 family (GPT-3 paper shapes, vocabulary padded to 50304)
+    "gpt2-125m": DecoderConfig("gpt2", layers=12, hidden=768, heads=12, vocab=50304, max_positions=1024),
+    "gpt2-350m": DecoderConfig("gpt2", layers=24, hidden=1024, heads=16, vocab=50304, max_positions=1024),
+    "gpt2-760m": DecoderConfig("gpt2", layers=24, hidden=1536, heads=16, vocab=50304, max_positions=1024),
+    "gpt2-1.3b": DecoderConfig("gpt2", layers=24, hidden=2048, heads=16, vocab=50304, max_positions=1024),
+    "gpt2-2.7b": DecoderConfig("gpt2", layers=32, hidden=2560, heads=20, vocab=50304, max_positions=1024),
+    "gpt2-6.7b": DecoderConfig("gpt2", layers=32, hidden=4096, heads=32, vocab=50304, max_positions=2048),
+    # LLaMA family
+    "llama-1.1b": DecoderConfig("llama", layers=22, hidden=2048, heads=32, vocab=32000, max_positions=2048,
+                                ffn=5632, kv_heads=4),
+    "llama-7b": DecoderConfig("llama", layers=32, hidden=4096, heads=32, vocab=32000, max_positions=4096,
+                              ffn=11008),
+    "llama-13b": DecoderConfig("llama", layers=40, hidden=5120, heads=40, vocab=32000, max_positions=4096,
+                               ffn=13824),
+}
+
+
+@dataclass
+class ModelSpec:
+    """What dostune needs to build and feed a model."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: BatchFn
+    num_params: Optional[int] = None  # analytic count, when known without building
+    max_seq: Optional[int] = None
+    config: dict = field(default_factory=dict)
+
+
+def _preset_spec(name: str, cfg: DecoderConfig) -> ModelSpec:
+    def batch(micro_batch: int, seq: int, generator: torch.Generator, device) -> dict:
+        return synthetic_batch(micro_batch, seq, cfg.vocab, generator, device)
+
+    return ModelSpec(name=name, build=lambda: DecoderLM(cfg), batch=batch, num_params=count_parameters(cfg),
+                     max_seq=cfg.max_positions, config={"preset": name, **cfg.as_dict()})
+
+
+def _factory_spec(spec: str) -> ModelSpec:
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise DostuneError(f"--model {spec!r}: expected a preset name ({', '.join(PRESETS)}) or "
+                           "'package.module:factory'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise DostuneError(f"--model {spec!r}: cannot import module {mod_name!r} ({e})",
+                           hint="is the module on PYTHONPATH (run from its folder or pip install it)?") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise DostuneError(f"--model {spec!r}: module {mod_name!r} has no callable {attr!r}")
+
+    def build_pair():
+        out = factory()
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and callable(out[1])):
+            raise DostuneError(f"--model {spec!r}: {attr}() must return (nn.Module, batch_fn), "
+                               f"got {type(out).__name__}")
+        return out
+
+    cache: dict = {}
+
+    def build():
+        model, batch_fn = build_pair()
+        cache["batch"] = batch_fn
+        return model
+
+    def batch(micro_batch, seq, generator, device):
+        if "batch" not in cache:
+            raise DostuneError(f"--model {spec!r}: build the model before asking for batches")
+        return cache["batch"](micro_batch, seq, generator, device)
+
+    return ModelSpec(name=spec, build=build, batch=batch, config={"factory": spec})
+
+
+def _hf_spec(path: str) -> ModelSpec:
+    try:
+        import transformers
+    except ImportError:
+        raise DostuneError("--model hf:...: needs the optional 'transformers' package (pip install transformers)") \
+            from None
+    cfg_path = Path(path)
+    if not cfg_path.exists():
+        raise DostuneError(f"--model hf:{path}: config file not found")
+    config = transformers.AutoConfig.from_pretrained(str(cfg_path))
+    vocab = config.vocab_size
+
+    class _Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = transformers.AutoModelForCausalLM.from_config(config)
+
+        def forward(self, input_ids, labels):
+            return self.inner(input_ids=input_ids, labels=labels).loss
+
+    def batch(micro_batch, seq, generator, device):
+        return synthetic_batch(micro_batch, seq, vocab, generator, device)
+
+    return ModelSpec(name=f"hf:{path}", build=_Wrap, batch=batch,
+                     max_seq=getattr(config, "max_position_embeddings", None),
+                     config={"hf_config": json.loads(config.to_json_string())})
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """A preset name, ``hf:path/to/config.json`` or ``package.module:factory``."""
+    if spec in PRESETS:
+        return _preset_spec(spec, PRESETS[spec])
+    if spec.startswith("hf:"):
+        return _hf_spec(spec[3:])
+    if ":" not in spec:
+        close = [p for p in PRESETS if spec.split("-")[0] in p]
+        raise DostuneError(f"unknown model {spec!r}; presets: {', '.join(PRESETS)}"
+                           + (f" (did you mean {close[0]}?)" if close else ""),
+                           hint="or pass your own as 'package.module:factory'")
+    return _factory_spec(spec)
+
+
+def loss_of(output) -> torch.Tensor:
+    """A model's forward may return the loss or an object carrying it (HF style)."""
+    loss = getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise DostuneError(f"the model's forward must return a scalar loss (or .loss), got {type(output).__name__}")
+    return loss

@@ -1,0 +1,103 @@
+"""The interleaved optimizer's schedule: which subgroups go to which lane, in which order, through
+which staging buffer. Pure logic, no tensors, so it is tested on any machine.
+
+The schedule lives in the top-level ``dostune`` section of a DeepSpeed config::
+
+    "dostune": {"version": 1, "gpu_fraction": 0.25, "staging_buffers": 2, "cpu_threads": 16,
+                "upload": "gpu_convert", "grads_on_gpu": true}
+
+DeepSpeed ignores top-level keys it does not know, so the same file drives plain DeepSpeed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigError
+
+SECTION = "dostune"
+SCHEDULE_VERSION = 1
+CPU, GPU = "cpu", "gpu"
+
+
+class ScheduleConfig(BaseModel):
+    """The ``dostune`` section of a DeepSpeed config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = SCHEDULE_VERSION
+    gpu_fraction: float = Field(0.25, ge=0.0, le=1.0, description=(
+        "share of subgroups updated on the GPU each step, spread evenly (1/k = every k-th subgroup)"))
+    staging_buffers: int = Field(2, ge=1, le=16, description=(
+        "GPU staging slots for GPU-lane subgroups: the next one streams in while one updates and "
+        "another streams out"))
+    cpu_threads: Optional[int] = Field(None, ge=1, description="OpenMP threads for CPU Adam (default: torch's)")
+    upload: Literal["gpu_convert", "cpu_convert"] = Field("gpu_convert", description=(
+        "how CPU-updated subgroups reach the GPU's half-precision params: upload fp32 and convert on the "
+        "GPU, or convert on the CPU and upload half precision"))
+    grads_on_gpu: bool = Field(True, description=(
+        "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them"))
+    expected_subgroups: Optional[int] = Field(None, ge=1, description=(
+        "number of subgroups the schedule was tuned for; checked against the model at start-up"))
+    trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> Optional["ScheduleConfig"]:
+        """The schedule in a DeepSpeed config dict, or None if it has no ``dostune`` section."""
+        section = ds_config.get(SECTION)
+        if section is None:
+            return None
+        if not isinstance(section, dict):
+            raise ConfigError(f"the '{SECTION}' section of the DeepSpeed config must be an object, "
+                              f"got {type(section).__name__}")
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            problems = "; ".join(f"'{SECTION}.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors())
+            raise ConfigError(f"invalid DeepSpeed config: {problems}") from None
+
+
+def assign_lanes(num_subgroups: int, gpu_fraction: float) -> list[str]:
+    """Lane of each subgroup. GPU subgroups are spread evenly: subgroup i goes to the GPU when
+    floor((i+1)*f) > floor(i*f). With f = 1/k that is every k-th subgroup, the last of each run of k,
+    as in the Deep Optimizer States paper (the CPU starts on the first ones while the GPU's first
+    subgroup streams in)."""
+    if num_subgroups < 0:
+        raise ValueError("num_subgroups must be >= 0")
+    if not 0.0 <= gpu_fraction <= 1.0:
+        raise ValueError(f"gpu_fraction must be in [0, 1], got {gpu_fraction}")
+    eps = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
+    return [GPU if math.floor((i + 1) * gpu_fraction + eps) > math.floor(i * gpu_fraction + eps) else CPU
+            for i in range(num_subgroups)]
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One GPU-lane subgroup: the staging slot it uses and the earlier GPU subgroup whose write-back
+    must finish before that slot can be refilled (None for the first pass over the slots)."""
+
+    subgroup: int
+    slot: int
+    waits_for: Optional[int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    lanes: list[str]
+    cpu_order: list[int]
+    gpu_slots: list[GpuSlot]
+
+    @property
+    def gpu_subgroups(self) -> list[int]:
+        return [s.subgroup for s in self.gpu_slots]
+
+
+def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:
+    lanes = assign_lanes(num_subgroups, sched.gpu_fraction)
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
+    n = sched.staging_buffers
+    slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=gpu[k - n] if k >= n else None) for k, sg in enumerate(gpu)]
+    return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots)

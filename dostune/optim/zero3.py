@@ -1,0 +1,399 @@
+"""The interleaved optimizer: DeepSpeed 0.19.8's ZeRO-3 optimizer with CPU offload, whose per-subgroup
+update loop is replaced by two lanes that run at the same time.
+
+DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3.step()`` updates subgroups one after another: unscale/clip
+the subgroup's fp32 gradient, DeepSpeedCPUAdam, then a blocking pageable fp32->half copy into the GPU
+partition. Here, subgroups are split by the schedule (``dostune`` config section) into
+
+* the CPU lane: the same unscale and the same DeepSpeedCPUAdam call (``_optimizer_step``), in place in
+  host memory, followed by an asynchronous upload of the result to the GPU partition; and
+* the GPU lane: fp32 params, exp_avg, exp_avg_sq (and gradients, unless they stayed on the GPU) stream
+  into staging slots on the GPU, a fused Adam updates them, the half-precision partition is written
+  from the updated fp32 params on the GPU, and the fp32 state streams back to host memory.
+
+The GPU lane is queued up front on its own streams (CUDA events order slot reuse), then the host runs
+the CPU lane, so CPU Adam, GPU Adam and both PCIe directions overlap. The math is DeepSpeed's: the
+same global-norm clipping and loss-scale/overflow handling (reused from the parent class), the same
+Adam/AdamW update from the same state, with only the kernel differing on the GPU lane.
+
+Methods replaced (everything else is DeepSpeed's):
+
+* ``step`` - the subgroup loop above. The prologue (overflow check, global norm, loss-scale update)
+  and epilogue (``_post_step``) are the parent's own helpers called in the parent's order.
+* ``_offload_grad_partition_at_boundary`` - for GPU-lane subgroups with ``grads_on_gpu``, the
+  gradient partition is copied into a GPU buffer instead of host memory; the gradient norm is
+  recorded exactly as the parent does. All other subgroups go through the parent.
+
+The object is created by DeepSpeed as a ``DeepSpeedZeroOptimizer_Stage3`` and re-classed by
+:meth:`InterleavedZeroOptimizer.adopt`, so DeepSpeed's engine, checkpointing and config parsing stay
+untouched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOptimizer_Stage3
+
+from ..errors import ConfigError
+from .kernels import AdamScalars, LaneAdam
+from .pinned import PinRegistry
+from .queues import Queues
+from .schedule import GPU, Plan, ScheduleConfig, make_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Span:
+    """One piece of lane work in a traced step, in seconds from the step's start."""
+
+    lane: str  # cpu, h2d, gpu, d2h, up
+    subgroup: int
+    start: float
+    end: float
+
+
+@dataclass
+class _State:
+    schedule: ScheduleConfig
+    plan: Plan
+    queues: Queues
+    lane_device: torch.device
+    pins: PinRegistry
+    lane_adam: LaneAdam
+    device_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    gpu_set: frozenset = frozenset()
+    last_trace: list[Span] = field(default_factory=list)
+    last_step_s: float = 0.0
+    steps: int = 0
+
+
+def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
+    """Why this DeepSpeed optimizer cannot run the interleaved update, or None if it can."""
+    if not opt.offload_optimizer:
+        return "zero_optimization.offload_optimizer.device must be 'cpu' (the optimizer state is not offloaded)"
+    if opt.swap_optimizer:
+        return "offload_optimizer.device 'nvme' is not supported, use 'cpu'"
+    if opt.partial_offload != 1.0:
+        return f"offload_optimizer.ratio must be 1.0 (Twin-Flow), got {opt.partial_offload}"
+    if type(opt.optimizer) is not DeepSpeedCPUAdam:
+        return f"the base optimizer must be DeepSpeedCPUAdam (Adam/AdamW), got {type(opt.optimizer).__name__}"
+    if getattr(opt, "use_muon", False):
+        return "Muon is not supported"
+    if getattr(opt, "zenflow", False):
+        return "ZenFlow is not supported"
+    if getattr(opt, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast with fp16 GradScaler is not supported"
+    if any(t is None for t in opt.fp16_partitioned_groups_flat):
+        return "parameter offload to NVMe is not supported"
+    if opt.master_weights_and_grads_dtype != torch.float32:
+        return "master weights and gradients must be fp32"
+    if not opt.optimizer.fp32_optimizer_states:
+        return "optimizer states must be fp32"
+    if any(g.get("amsgrad", False) for g in opt.optimizer.param_groups):
+        return "AMSGrad is not supported"
+    return None
+
+
+class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
+    _dos: _State
+
+    # ---------------------------------------------------------------- set-up
+    @classmethod
+    def adopt(cls, opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig) -> "InterleavedZeroOptimizer":
+        """Turn a constructed DeepSpeed ZeRO-3 optimizer into an interleaved one, in place."""
+        if isinstance(opt, cls):
+            return opt
+        if type(opt) is not DeepSpeedZeroOptimizer_Stage3:
+            raise ConfigError(f"dostune needs DeepSpeed's ZeRO-3 optimizer, got {type(opt).__name__} "
+                              "(is super_offload or another ZeRO-3 variant enabled?)")
+        reason = unsupported_reason(opt)
+        if reason is not None:
+            raise ConfigError(f"the dostune schedule cannot run with this DeepSpeed config: {reason}")
+        n = len(opt.fp16_groups)
+        if schedule.expected_subgroups is not None and schedule.expected_subgroups != n:
+            raise ConfigError(
+                f"the dostune section was tuned for {schedule.expected_subgroups} subgroups but this model has {n} "
+                f"at sub_group_size {opt.sub_group_size:g}",
+                hint="re-run `dostune tune` for this model, or remove 'expected_subgroups' from the dostune section")
+        opt.__class__ = cls
+        opt._dostune_init(schedule)
+        return opt
+
+    def _dostune_init(self, schedule: ScheduleConfig) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        lane_device = torch.device(get_accelerator().current_device_name())
+        plan = make_plan(len(self.fp16_groups), schedule)
+        d = self.optimizer.defaults
+        lane_adam = LaneAdam(lane_device, d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
+                             self.optimizer.adam_w_mode)
+        self._dos = _State(schedule=schedule, plan=plan, queues=Queues(lane_device, timing=schedule.trace),
+                           lane_device=lane_device, pins=PinRegistry(), lane_adam=lane_adam,
+                           gpu_set=frozenset(plan.gpu_subgroups))
+        for i in range(len(self.fp16_groups)):
+            self._dostune_adopt_subgroup_state(i)
+
+    def _dostune_adopt_subgroup_state(self, i: int) -> None:
+        """Create Adam state up front (DeepSpeedCPUAdam creates it lazily, pageable) and page-lock the
+        subgroup's fp32 params, gradients and states so the lanes can copy them asynchronously."""
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[fp32]
+        if len(state) == 0:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(fp32.data)
+            state["exp_avg_sq"] = torch.zeros_like(fp32.data)
+        pins = self._dos.pins
+        for kind, t in (("param", fp32.data), ("grad", fp32.grad), ("exp_avg", state["exp_avg"]),
+                        ("exp_avg_sq", state["exp_avg_sq"])):
+            if t is not None:
+                pins.pin((i, kind), t)
+
+    def destroy(self):
+        if hasattr(self, "_dos"):
+            self._dos.pins.close()
+            self._dos.lane_adam.close()
+        super().destroy()
+
+    @property
+    def dostune_schedule(self) -> ScheduleConfig:
+        return self._dos.schedule
+
+    @property
+    def dostune_plan(self) -> Plan:
+        return self._dos.plan
+
+    @property
+    def dostune_last_trace(self) -> list[Span]:
+        return list(self._dos.last_trace)
+
+    # ------------------------------------------------------ gradient routing
+    def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
+        # Replaces DeepSpeed's method for GPU-lane subgroups only: their gradient stays on the GPU, so
+        # the update does not stream it back in. The norm bookkeeping is the parent's.
+        dos = getattr(self, "_dos", None)
+        i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+        if dos is None or not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
+            return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
+                                                               offload_fp32_offsets)
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+        buf = dos.device_grads.get(i)
+        if buf is None:
+            buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
+                              device=dos.lane_device)
+            dos.device_grads[i] = buf
+        buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(
+            grad_buffer.to(device=dos.lane_device, dtype=torch.float32), non_blocking=True)
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure=None):
+        """Replaces DeepSpeed's ``step``: same prologue and epilogue, interleaved subgroup updates."""
+        if not hasattr(self, "_dos"):
+            return super().step(closure)
+        self._pre_step()
+        self._partition_all_parameters()
+
+        # Same order as the parent: raw overflow first, then the global norm, then the loss-scale update
+        # (which skips the step and clears gradients on overflow).
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_global_grad_norm = None
+        if not self.overflow:
+            self._apply_muon_to_accumulated_grads()
+            scaled_global_grad_norm = combine_grad_norm_groups(self._get_norm_groups())
+            if is_invalid_grad_norm(scaled_global_grad_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            self._dos.device_grads.clear()
+            return
+        self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+
+        timer_names = {OPTIMIZER_STEP_TIMER}
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        t0 = time.perf_counter()
+        self._dostune_update(self._combined_scale(scaled_global_grad_norm))
+        self._dos.last_step_s = time.perf_counter() - t0
+        self._dos.steps += 1
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._post_step(timer_names)
+
+    def _combined_scale(self, total_norm):
+        # The same expression as DeepSpeed's unscale_and_clip_grads, so both lanes use its exact value.
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * self.loss_scale
+        return combined_scale
+
+    @torch.no_grad()
+    def _dostune_update(self, combined_scale) -> None:
+        dos = self._dos
+        q, plan, sched = dos.queues, dos.plan, dos.schedule
+        inv = 1. / combined_scale
+        inv_f = float(inv)  # fp32 value; multiplying an fp32 tensor by it equals DeepSpeed's mul_(tensor)
+        trace: list = []
+        t_host0 = time.perf_counter()
+        start_ev = q.record("compute", timing=True) if (sched.trace and q.cuda) else None
+        q.after_current()
+        for i in range(len(self.fp16_groups)):  # keep host state pinned after a checkpoint load replaced it
+            self._dostune_check_pinned(i)
+
+        slots = self._dostune_queue_gpu_lane(inv_f, trace)
+        prev_threads = torch.get_num_threads()
+        if sched.cpu_threads:
+            torch.set_num_threads(sched.cpu_threads)
+        try:
+            self._dostune_run_cpu_lane(inv, trace)
+        finally:
+            torch.set_num_threads(prev_threads)
+        for i in range(len(self.fp16_groups)):
+            self._unflatten_partitioned_parameters(i)
+        q.join()
+        del slots  # safe: the lanes' streams are drained and the default stream waits on them
+        dos.device_grads.clear()
+        if sched.trace:
+            dos.last_trace = self._dostune_resolve_trace(trace, start_ev, t_host0)
+
+    def _dostune_check_pinned(self, i: int) -> None:
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[fp32]
+        stale = not state or (self._dos.queues.cuda and not all(
+            t.is_pinned() for t in (fp32.data, state["exp_avg"], state["exp_avg_sq"])))
+        if stale:
+            self._dostune_adopt_subgroup_state(i)
+
+    def _dostune_queue_gpu_lane(self, inv: float, trace: list) -> list:
+        """Queue every GPU-lane subgroup: H2D into a staging slot, fused Adam, convert, D2H.
+        Nothing here blocks the host."""
+        dos = self._dos
+        q, sched = dos.queues, dos.schedule
+        if not dos.plan.gpu_slots:
+            return []
+        numel = self.fp16_partitioned_groups_flat_numel
+        width = max(int(numel[s.subgroup]) for s in dos.plan.gpu_slots)
+        need_grads = not sched.grads_on_gpu
+        dev = dos.lane_device
+        slots = []
+        with q.on("compute"):
+            # Allocated on the stream that uses them; freed at the end of the step after the lanes drain.
+            for _ in range(min(sched.staging_buffers, len(dos.plan.gpu_slots))):
+                slots.append({"p": torch.empty(width, device=dev), "m": torch.empty(width, device=dev),
+                              "v": torch.empty(width, device=dev), "step": torch.empty((), device=dev),
+                              "g": torch.empty(width, device=dev) if need_grads else None})
+        slot_ready = [q.record("compute", timing=False) for _ in slots]
+        d2h_done: dict[int, object] = {}
+        scalars = self._dostune_step_scalars()
+        for gs in dos.plan.gpu_slots:
+            i, n, slot = gs.subgroup, int(numel[gs.subgroup]), slots[gs.slot]
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            state = self.optimizer.state[fp32]
+            p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
+            with q.on("h2d"):
+                q.wait("h2d", slot_ready[gs.slot] if gs.waits_for is None else d2h_done[gs.waits_for])
+                t_in = q.record("h2d")
+                p.copy_(fp32.data, non_blocking=True)
+                m.copy_(state["exp_avg"], non_blocking=True)
+                v.copy_(state["exp_avg_sq"], non_blocking=True)
+                if need_grads:
+                    slot["g"][:n].copy_(fp32.grad, non_blocking=True)
+                h2d_done = q.record("h2d")
+            g = slot["g"][:n] if need_grads else dos.device_grads.get(i)
+            if g is None:  # no gradient reached this subgroup (e.g. unused parameters): DeepSpeed's is zeros
+                with q.on("compute"):
+                    g = torch.zeros(n, device=dev)
+            state["step"] += 1
+            with q.on("compute"):
+                q.wait("compute", h2d_done)
+                t_c = q.record("compute")
+                dos.lane_adam.update(p, g, m, v, self.fp16_partitioned_groups_flat[i], inv, state["step"],
+                                     self.optimizer.param_groups[self.sub_group_to_group_id[i]], scalars.get(i))
+                compute_done = q.record("compute")
+            with q.on("d2h"):
+                q.wait("d2h", compute_done)
+                t_out = q.record("d2h")
+                fp32.data.copy_(p, non_blocking=True)
+                state["exp_avg"].copy_(m, non_blocking=True)
+                state["exp_avg_sq"].copy_(v, non_blocking=True)
+                d2h_done[i] = q.record("d2h")
+            trace += [("h2d", i, t_in, h2d_done), ("gpu", i, t_c, compute_done), ("d2h", i, t_out, d2h_done[i])]
+        return slots
+
+    def _dostune_step_scalars(self) -> dict[int, AdamScalars]:
+        """The float constants DeepSpeed's C++ Adam would use for each GPU-lane subgroup this step: replay its
+        IncrementStep over all subgroups in DeepSpeed's order (step numbers after this step's increment)."""
+        dos = self._dos
+        shadow, out = dos.lane_adam.shadow, {}
+        for i in range(len(self.fp16_groups)):
+            group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+            step = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] + 1
+            shadow.increment(step, *group["betas"])
+            if i in dos.gpu_set:
+                out[i] = shadow.scalars(group["lr"], group["eps"], group["weight_decay"], group["bias_correction"],
+                                        self.optimizer.adam_w_mode)
+        return out
+
+    def _dostune_run_cpu_lane(self, inv, trace: list) -> None:
+        """DeepSpeed's own per-subgroup CPU update, then an asynchronous upload of the half-precision
+        params. Runs on the host while the GPU lane's queued work proceeds."""
+        dos = self._dos
+        q, sched = dos.queues, dos.schedule
+        numel = self.fp16_partitioned_groups_flat_numel
+        cpu_ids = dos.plan.cpu_order
+        if not cpu_ids:
+            return
+        width = max(int(numel[i]) for i in cpu_ids)
+        staging, half_bufs, half_free = None, [], []
+        if q.cuda:
+            if sched.upload == "gpu_convert":
+                with q.on("up"):
+                    staging = torch.empty(width, device=dos.lane_device)
+            else:
+                half = self.fp16_partitioned_groups_flat[cpu_ids[0]].dtype
+                half_bufs = [torch.empty(width, dtype=half, pin_memory=True) for _ in range(2)]
+                half_free = [None, None]
+        for k, i in enumerate(cpu_ids):
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            c0 = time.perf_counter()
+            fp32.grad.mul_(inv)  # DeepSpeed's unscale_and_clip_grads, with the same factor
+            self._optimizer_step(i)  # DeepSpeed's own DeepSpeedCPUAdam call for this subgroup
+            c1 = time.perf_counter()
+            trace.append(("cpu", i, c0, c1))
+            dst, n = self.fp16_partitioned_groups_flat[i], int(numel[i])
+            if not q.cuda:
+                dst.copy_(fp32.data)
+                continue
+            if sched.upload == "gpu_convert":
+                with q.on("up"):
+                    t_up = q.record("up")
+                    staging[:n].copy_(fp32.data, non_blocking=True)
+                    dst.copy_(staging[:n])
+                    trace.append(("up", i, t_up, q.record("up")))
+            else:
+                b = k % 2
+                if half_free[b] is not None:
+                    half_free[b].synchronize()  # the previous upload from this pinned buffer is done
+                half_bufs[b][:n].copy_(fp32.data)  # convert on the CPU
+                with q.on("up"):
+                    t_up = q.record("up")
+                    dst.copy_(half_bufs[b][:n], non_blocking=True)
+                    half_free[b] = q.record("up")
+                    trace.append(("up", i, t_up, half_free[b]))
+        if staging is not None:
+            self._dos.queues.streams["up"].synchronize()
+
+    def _dostune_resolve_trace(self, raw: list, start_ev, t_host0: float) -> list[Span]:
+        spans = []
+        # Host timestamps (the CPU lane; every lane on a CPU device) are relative to the host clock at the
+        # step's start, CUDA events to an event queued at that moment on an idle stream.
+        for lane, i, a, b in raw:
+            if isinstance(a, float):
+                spans.append(Span(lane, i, a - t_host0, b - t_host0))
+            elif start_ev is not None:
+                spans.append(Span(lane, i, start_ev.elapsed_time(a) / 1e3, start_ev.elapsed_time(b) / 1e3))
+        return sorted(spans, key=lambda s: s.start)

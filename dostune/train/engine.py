@@ -1,0 +1,75 @@
+"""Building DeepSpeed engines for a model spec, in one process or under DeepSpeed's launcher."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable, Optional
+
+import torch
+
+from ..models.registry import ModelSpec, loss_of
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed. Under ``deepspeed``/``torchrun`` the launcher has set
+    RANK/WORLD_SIZE; a plain ``python`` or ``dostune`` process becomes a world of one."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(verbose=False)
+
+
+def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True):
+    """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built) and
+    wrap it in a DeepSpeed engine; with ``use_dostune`` a ``dostune`` section switches the optimizer."""
+    import deepspeed
+
+    from ..optim.api import initialize
+
+    ensure_distributed()
+    torch.manual_seed(seed)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = spec.build()
+    init = initialize if use_dostune else deepspeed.initialize
+    engine, *_ = init(model=model, config=ds_config, model_parameters=[p for p in model.parameters()
+                                                                        if p.requires_grad])
+    return engine
+
+
+def master_weights(engine) -> torch.Tensor:
+    """This rank's fp32 master weights, all subgroups concatenated (on the CPU)."""
+    return torch.cat([t.detach().float().cpu().view(-1) for t in engine.optimizer.fp32_partitioned_groups_flat])
+
+
+def train_steps(engine, spec: ModelSpec, steps: int, seq: int, seed: int = 0,
+                before_backward: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> list[float]:
+    """Run ``steps`` optimizer steps (each with the config's gradient accumulation) on seeded batches;
+    returns the loss of each micro-batch. ``before_backward(step, loss)`` may replace the loss (tests use
+    it to force an overflow)."""
+    gen = torch.Generator().manual_seed(seed)
+    gas = engine.gradient_accumulation_steps()
+    mb = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for step in range(steps):
+        for _ in range(gas):
+            batch = spec.batch(mb, seq, gen, engine.device)
+            loss = loss_of(engine(**batch))
+            if before_backward is not None:
+                loss = before_backward(step, loss)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach().float()))
+    return losses

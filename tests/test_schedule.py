@@ -1,0 +1,62 @@
+import pytest
+
+from dostune.errors import ConfigError
+from dostune.optim.schedule import CPU, GPU, ScheduleConfig, assign_lanes, make_plan
+
+
+def test_every_kth_subgroup_goes_to_gpu():
+    assert assign_lanes(8, 0.25) == [CPU, CPU, CPU, GPU] * 2
+    assert assign_lanes(6, 1 / 3) == [CPU, CPU, GPU] * 2
+    assert assign_lanes(4, 0.5) == [CPU, GPU, CPU, GPU]
+
+
+def test_extremes():
+    assert assign_lanes(5, 0.0) == [CPU] * 5
+    assert assign_lanes(5, 1.0) == [GPU] * 5
+    assert assign_lanes(0, 0.5) == []
+
+
+@pytest.mark.parametrize("n", [1, 7, 20, 33])
+@pytest.mark.parametrize("f", [0.1, 0.25, 0.3, 0.5, 0.8])
+def test_fraction_is_respected_and_spread(n, f):
+    lanes = assign_lanes(n, f)
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
+    assert len(gpu) == int(n * f + 1e-9)
+    # evenly spread: gaps between GPU subgroups differ by at most one
+    gaps = [b - a for a, b in zip(gpu, gpu[1:])]
+    assert not gaps or max(gaps) - min(gaps) <= 1
+
+
+def test_bad_fraction():
+    with pytest.raises(ValueError):
+        assign_lanes(4, 1.5)
+
+
+def test_plan_rotates_staging_slots():
+    plan = make_plan(8, ScheduleConfig(gpu_fraction=0.5, staging_buffers=2))
+    assert plan.gpu_subgroups == [1, 3, 5, 7]
+    assert plan.cpu_order == [0, 2, 4, 6]
+    assert [(s.subgroup, s.slot, s.waits_for) for s in plan.gpu_slots] == [
+        (1, 0, None), (3, 1, None), (5, 0, 1), (7, 1, 3)]
+
+
+def test_plan_single_buffer_serialises():
+    plan = make_plan(3, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1))
+    assert [(s.slot, s.waits_for) for s in plan.gpu_slots] == [(0, None), (0, 0), (0, 1)]
+
+
+def test_every_subgroup_in_exactly_one_lane():
+    plan = make_plan(13, ScheduleConfig(gpu_fraction=0.3))
+    assert sorted(plan.cpu_order + plan.gpu_subgroups) == list(range(13))
+
+
+def test_config_section_parsing():
+    assert ScheduleConfig.from_ds_config({"zero_optimization": {}}) is None
+    s = ScheduleConfig.from_ds_config({"dostune": {"gpu_fraction": 0.5, "staging_buffers": 3}})
+    assert s.gpu_fraction == 0.5 and s.staging_buffers == 3
+    with pytest.raises(ConfigError, match="dostune.gpu_fraction"):
+        ScheduleConfig.from_ds_config({"dostune": {"gpu_fraction": 2}})
+    with pytest.raises(ConfigError, match="dostune.gpu_fractoin"):
+        ScheduleConfig.from_ds_config({"dostune": {"gpu_fractoin": 0.5}})
+    with pytest.raises(ConfigError, match="must be an object"):
+        ScheduleConfig.from_ds_config({"dostune": [1]})
