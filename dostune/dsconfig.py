@@ -81,6 +81,9 @@ def deepspeed_config(train: TrainSettings, offload: OffloadSettings, world_size:
                             "weight_decay": train.weight_decay}}
     if not train.adamw:
         optimizer["params"]["adam_w_mode"] = False
+    if offload.ratio == 0:
+        # torch's AdamW on the GPU: DeepSpeed's FusedAdam would need a CUDA build first
+        optimizer["params"]["torch_adam"] = True
     cfg: dict = {
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,

@@ -6,6 +6,7 @@ from typing import Optional
 import typer
 
 from .._version import __version__
+from . import bench as _bench
 from . import profile as _profile
 
 app = typer.Typer(
@@ -31,9 +32,15 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 
 app.command("profile")(_profile.profile)
+app.command("bench")(_bench.bench)
 
 
 def main() -> None:
+    import warnings
+
+    # torch.distributed's deprecation notices, raised from inside DeepSpeed on every step, drown the output.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.jit")
     app()
 
 

@@ -1,0 +1,88 @@
+"""The typed, versioned benchmark result (``results/<node>/bench-<model>.json``)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..profile.record import check_version, read_json_record
+from ..stats import Stat
+
+BENCH_SCHEMA_VERSION = 1
+BENCH_KIND = "dostune.bench"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Span(_Record):
+    lane: str
+    subgroup: int
+    start: float
+    end: float
+
+
+class MethodResult(_Record):
+    """One method's figures: medians over the timed iterations, with spread."""
+
+    method: str
+    description: str
+    ran: bool = True
+    error: Optional[str] = None
+    iter_s: Optional[float] = None
+    fwd_s: Optional[float] = None
+    bwd_s: Optional[float] = None
+    step_s: Optional[float] = None
+    iter: Optional[Stat] = None
+    fwd: Optional[Stat] = None
+    bwd: Optional[Stat] = None
+    step: Optional[Stat] = None
+    peak_gpu_gib: Optional[float] = None
+    update_gelem_s: Optional[float] = None
+    final_loss: Optional[float] = None
+    losses: list[float] = Field(default_factory=list)
+    ds_config: dict = Field(default_factory=dict)
+    timeline: list[Span] = Field(default_factory=list)
+
+
+class BenchResult(_Record):
+    schema_version: int = BENCH_SCHEMA_VERSION
+    kind: Literal["dostune.bench"] = BENCH_KIND
+    created: str
+    command: str
+    dostune_version: str
+    deepspeed_version: Optional[str]
+    torch_version: str
+    node: str
+    gpu: Optional[str]
+    model: str
+    params: int
+    micro_batch: int
+    seq: int
+    precision: str
+    world_size: int = 1
+    warmup: int
+    iters: int
+    seed: int
+    methods: dict[str, MethodResult]
+
+    def speedup(self, method: str, baseline: str = "zero-offload") -> Optional[float]:
+        a, b = self.methods.get(method), self.methods.get(baseline)
+        if not (a and b and a.ran and b.ran and a.iter_s and b.iter_s):
+            return None
+        return b.iter_s / a.iter_s
+
+
+def load_bench(path) -> BenchResult:
+    from pydantic import ValidationError
+
+    from ..errors import ProfileError
+    from ..profile.record import _format_validation_error
+
+    data = read_json_record(path, "bench result")
+    check_version(data, path, BENCH_KIND, BENCH_SCHEMA_VERSION)
+    try:
+        return BenchResult.model_validate(data)
+    except ValidationError as e:
+        raise ProfileError(_format_validation_error(str(path), e).replace("dostune profile", "dostune bench result"))

@@ -1,0 +1,79 @@
+"""Renderings of a benchmark result: rows for a table, markdown, and the update-timeline PNG."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .record import BenchResult, MethodResult, Span
+
+COLUMNS = ["method", "iter s", "fwd s", "bwd s", "step s", "speedup", "update G elem/s", "peak GPU GiB",
+           "final loss"]
+
+
+def _f(x: Optional[float], fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def rows(res: BenchResult) -> list[list[str]]:
+    out = []
+    for name, m in res.methods.items():
+        if not m.ran:
+            out.append([name, "did not run", "", "", "", "", "", "", (m.error or "").splitlines()[0][:80]])
+            continue
+        sp = res.speedup(name)
+        out.append([name, _f(m.iter_s), _f(m.fwd_s), _f(m.bwd_s), _f(m.step_s), _f(sp, "{:.2f}x"),
+                    _f(m.update_gelem_s, "{:.2f}"), _f(m.peak_gpu_gib, "{:.1f}"), _f(m.final_loss, "{:.4f}")])
+    return out
+
+
+def markdown(res: BenchResult) -> str:
+    lines = [f"# dostune bench: {res.model} on {res.node}", "",
+             f"{res.params / 1e9:.2f}B parameters, {res.precision}, micro-batch {res.micro_batch}, sequence {res.seq}, "
+             f"world size {res.world_size}; medians of {res.iters} iterations after {res.warmup} warm-up; "
+             f"GPU {res.gpu}; DeepSpeed {res.deepspeed_version}, torch {res.torch_version}, dostune "
+             f"{res.dostune_version}; {res.created}.", "",
+             f"Command: `{res.command}`", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(res)]
+    lines += ["", "Speedup is ZeRO-Offload's iteration time over the method's. Methods:", ""]
+    lines += [f"- `{n}`: {m.description}" for n, m in res.methods.items()]
+    failed = [m for m in res.methods.values() if not m.ran]
+    if failed:
+        lines += ["", "Methods that did not run here:", ""]
+        lines += [f"- `{m.method}`: {(m.error or '').splitlines()[0]}" for m in failed]
+    return "\n".join(lines) + "\n"
+
+
+LANE_ORDER = ["cpu", "up", "h2d", "gpu", "d2h"]
+LANE_LABEL = {"cpu": "CPU Adam", "up": "upload (CPU lane)", "h2d": "H2D (GPU lane)", "gpu": "GPU Adam",
+              "d2h": "D2H (GPU lane)"}
+
+
+def plot_timeline(spans: list[Span], path: str | Path, title: str) -> Optional[Path]:
+    """One row per lane, a bar per subgroup (labelled with its index)."""
+    if not spans:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = [lane for lane in LANE_ORDER if any(s.lane == lane for s in spans)]
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.6))
+    colors = plt.get_cmap("tab20")
+    for row, lane in enumerate(lanes):
+        for s in (s for s in spans if s.lane == lane):
+            ax.barh(row, (s.end - s.start) * 1e3, left=s.start * 1e3, color=colors(s.subgroup % 20),
+                    edgecolor="black", linewidth=0.3)
+            if (s.end - s.start) * 1e3 > 0.03 * max(x.end for x in spans) * 1e3:
+                ax.text((s.start + s.end) / 2 * 1e3, row, str(s.subgroup), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), [LANE_LABEL[lane] for lane in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the optimizer step")
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,204 @@
+"""`dostune bench`: train the same model, batch and seed under each offload method, one after another in
+one process, and measure forward, backward, step and iteration time, peak GPU memory and the loss."""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from .._version import __version__
+from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..errors import DostuneError
+from ..models.registry import ModelSpec, loss_of, resolve_model
+from ..optim.schedule import ScheduleConfig
+from ..profile.identity import cuda_available, deepspeed_version
+from ..profile.timing import NullProgress, ProgressSink
+from ..stats import Stat
+from .record import BenchResult, MethodResult, Span
+
+METHODS: dict[str, str] = {
+    "no-offload": "ZeRO-3 with the optimizer state on the GPU (ratio 0.0): the ceiling",
+    "zero-offload": "DeepSpeed ZeRO-Offload: all optimizer state on the CPU (ratio 1.0)",
+    "dostune": "dostune: interleaved CPU+GPU update of the offloaded state",
+    "twin-flow-0.5": "DeepSpeed Twin-Flow: half the optimizer state on the GPU (ratio 0.5)",
+    "twin-flow-mem": "DeepSpeed Twin-Flow at the ratio that fits dostune's peak GPU memory",
+    "superoffload": "DeepSpeed SuperOffload (offload_optimizer.super_offload)",
+}
+GPU_DEFAULT = ["no-offload", "zero-offload", "dostune", "twin-flow-0.5", "twin-flow-mem", "superoffload"]
+CPU_DEFAULT = ["zero-offload", "dostune"]
+
+
+@dataclass
+class BenchOptions:
+    model: str = "gpt2-1.3b"
+    micro_batch: int = 8
+    seq: int = 1024
+    precision: str = "bf16"
+    iters: int = 8
+    warmup: int = 3
+    seed: int = 0
+    methods: Optional[list[str]] = None
+    sub_group_size: int = 100_000_000  # DeepSpeed's faster setting on the reference node (1e8 vs its 1e9 default)
+    schedule: Optional[ScheduleConfig] = None  # dostune's; default: ScheduleConfig()
+    dostune_sub_group_size: Optional[int] = None
+    node: Optional[str] = None
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    def resolved_methods(self) -> list[str]:
+        methods = self.methods or (GPU_DEFAULT if cuda_available() else CPU_DEFAULT)
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise DostuneError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        if "twin-flow-mem" in methods and "dostune" not in methods:
+            raise DostuneError("twin-flow-mem is sized from dostune's peak memory: add dostune to --methods")
+        # dostune first among the offloaders, so twin-flow-mem can be sized from it
+        order = list(METHODS)
+        return sorted(dict.fromkeys(methods), key=order.index)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _cleanup(engine=None):
+    if engine is not None:
+        try:
+            engine.destroy()
+        except Exception:
+            pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: int,
+            progress: ProgressSink) -> dict:
+    """Time forward, backward and step of each iteration (with the device synchronised between phases)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    mb = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    fwd, bwd, step, it, losses = [], [], [], [], []
+    for k in range(warmup + iters):
+        if k == warmup and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        f = b = s = 0.0
+        t_it = time.perf_counter()
+        for _ in range(gas):
+            batch = spec.batch(mb, seq, gen, engine.device)
+            _sync()
+            t0 = time.perf_counter()
+            loss = loss_of(engine(**batch))
+            _sync()
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            _sync()
+            t2 = time.perf_counter()
+            engine.step()
+            _sync()
+            t3 = time.perf_counter()
+            f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+            losses.append(float(loss.detach().float()))
+        if k >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+            step.append(s)
+            it.append(time.perf_counter() - t_it)
+        progress.advance()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
+            "peak": peak, "losses": losses}
+
+
+def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
+    sgs = opts.sub_group_size
+    if name == "no-offload":
+        return OffloadSettings(sub_group_size=sgs, ratio=0.0)
+    if name == "zero-offload":
+        return OffloadSettings(sub_group_size=sgs, ratio=1.0)
+    if name == "twin-flow-0.5":
+        return OffloadSettings(sub_group_size=sgs, ratio=0.5)
+    if name == "twin-flow-mem":
+        return OffloadSettings(sub_group_size=sgs, ratio=twin_ratio if twin_ratio is not None else 1.0)
+    if name == "superoffload":
+        return OffloadSettings(sub_group_size=sgs, ratio=1.0, super_offload=True)
+    sched = opts.schedule or ScheduleConfig()
+    return OffloadSettings(sub_group_size=opts.dostune_sub_group_size or sgs, ratio=1.0,
+                           schedule=sched.model_copy(update={"trace": True}))
+
+
+def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: float) -> float:
+    """Twin-Flow keeps (1 - ratio) of fp32 params, exp_avg, exp_avg_sq and grads (16 bytes per element) on the
+    GPU: the ratio whose extra memory equals dostune's extra peak over ZeRO-Offload."""
+    extra = max(0.0, dostune_peak - offload_peak) * 2**30
+    return round(min(1.0, max(0.0, 1.0 - extra / (16.0 * params))), 3)
+
+
+def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
+               progress: ProgressSink) -> MethodResult:
+    from ..train.engine import build_engine
+
+    cfg = deepspeed_config(opts.train, offload)
+    progress.start(f"{name}: building the engine", 1)
+    engine = None
+    try:
+        engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=name == "dostune")
+        progress.advance()
+        progress.start(f"{name}: {opts.warmup} warm-up + {opts.iters} timed iterations", opts.warmup + opts.iters)
+        m = measure(engine, spec, opts.seq, opts.iters, opts.warmup, opts.seed, progress)
+        params = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat) \
+            if hasattr(engine.optimizer, "fp32_partitioned_groups_flat") else spec.num_params
+        timeline = []
+        if name == "dostune":
+            timeline = [Span(lane=s.lane, subgroup=s.subgroup, start=s.start, end=s.end)
+                        for s in engine.optimizer.dostune_last_trace]
+        return MethodResult(method=name, description=METHODS[name], iter_s=m["iter"].median, fwd_s=m["fwd"].median,
+                            bwd_s=m["bwd"].median, step_s=m["step"].median, iter=m["iter"], fwd=m["fwd"],
+                            bwd=m["bwd"], step=m["step"],
+                            peak_gpu_gib=round(m["peak"], 3) if m["peak"] is not None else None,
+                            update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
+                            losses=m["losses"], ds_config=cfg, timeline=timeline)
+    except (Exception, SystemExit) as e:  # a baseline that cannot run here is reported, not fatal
+        if isinstance(e, DostuneError) and name == "dostune":
+            raise
+        msg = f"{type(e).__name__}: {e}".strip()
+        tb = traceback.format_exc(limit=3)
+        return MethodResult(method=name, description=METHODS[name], ran=False, error=(msg + "\n" + tb)[:2000],
+                            ds_config=cfg)
+    finally:
+        _cleanup(engine)
+
+
+def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None) -> BenchResult:
+    progress = progress or NullProgress()
+    spec = resolve_model(opts.model)
+    if spec.max_seq is not None and opts.seq > spec.max_seq:
+        raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
+    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision)
+    methods = opts.resolved_methods()
+    results: dict[str, MethodResult] = {}
+    twin_ratio = None
+    for name in methods:
+        if name == "twin-flow-mem":
+            d, z = results.get("dostune"), results.get("zero-offload")
+            if d and d.ran and z and z.ran and d.peak_gpu_gib is not None:
+                twin_ratio = twin_flow_matching_ratio(spec.num_params or 0, d.peak_gpu_gib, z.peak_gpu_gib)
+        results[name] = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), progress)
+        if name == "twin-flow-mem" and results[name].ran:
+            results[name].description += f" (ratio {twin_ratio})"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return BenchResult(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        dostune_version=__version__, deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
+        node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model,
+        params=spec.num_params or 0, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
+        warmup=opts.warmup, iters=opts.iters, seed=opts.seed, methods=results)

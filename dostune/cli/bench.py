@@ -1,0 +1,95 @@
+"""`dostune bench`: every offload method on the same model, batch and seed, in one run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..bench.record import BenchResult
+from ..bench.report import COLUMNS, markdown, plot_timeline, rows
+from ..bench.run import METHODS, BenchOptions, run_bench
+from ..errors import ConfigError, DostuneError
+from ..optim.schedule import ScheduleConfig
+from ..profile.record import read_json_record, save_record, atomic_write_text
+from .common import RichProgress, err_console, handle_errors, print_json
+
+
+def render_bench(res: BenchResult) -> Table:
+    t = Table(title=f"{res.model} on {res.node} ({res.precision}, micro-batch {res.micro_batch}, seq {res.seq})")
+    for c in COLUMNS:
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for r in rows(res):
+        t.add_row(*r)
+    return t
+
+
+def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) -> tuple[Optional[ScheduleConfig], Optional[int]]:
+    if config is not None and schedule_json is not None:
+        raise DostuneError("give either --config or --schedule, not both")
+    if config is not None:
+        data = read_json_record(config, "DeepSpeed config")
+        sched = ScheduleConfig.from_ds_config(data)
+        if sched is None:
+            raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
+        sgs = data.get("zero_optimization", {}).get("sub_group_size")
+        return sched, int(sgs) if sgs else None
+    if schedule_json is not None:
+        try:
+            section = json.loads(schedule_json)
+        except json.JSONDecodeError as e:
+            raise DostuneError(f"--schedule is not valid JSON: {e.msg}") from None
+        return ScheduleConfig.from_ds_config({"dostune": section}), None
+    return None, None
+
+
+@handle_errors
+def bench(
+    model: str = typer.Option("gpt2-1.3b", help="Model preset or package.module:factory."),
+    micro_batch: int = typer.Option(8, min=1, help="Micro-batch size per GPU."),
+    seq: int = typer.Option(1024, min=1, help="Sequence length."),
+    precision: str = typer.Option("bf16", help="bf16, fp16 or fp32."),
+    iters: int = typer.Option(8, min=1, help="Timed iterations per method (medians are reported)."),
+    warmup: int = typer.Option(3, min=0, help="Untimed iterations first."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated subset of: " + ", ".join(METHODS)
+                                          + ". Default: all on a GPU; zero-offload,dostune on a CPU."),
+    config: Optional[Path] = typer.Option(None, help="dostune's schedule and sub_group_size from a tuned "
+                                          "ds_config.json (dostune tune)."),
+    schedule: Optional[str] = typer.Option(None, help='dostune\'s schedule as JSON, e.g. \'{"gpu_fraction": 0.3}\'.'),
+    sub_group_size: int = typer.Option(100_000_000, min=1, help="sub_group_size for DeepSpeed's methods."),
+    node: Optional[str] = typer.Option(None, help="Node label in the result (default: the GPU name)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
+                                          "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
+    seed: int = typer.Option(0, help="Seed for weights and batches (the same for every method)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result JSON on stdout."),
+):
+    """Train one model under each offload method and compare them.
+
+    Same model, batch and seed for DeepSpeed ZeRO-Offload (ratio 1.0), Twin-Flow (ratio 0.5 and the ratio
+    that fits dostune's memory), SuperOffload, no offload (the ceiling) and dostune. Reports forward,
+    backward, step and iteration time (medians), update rate, peak GPU memory and the final loss.
+
+    Example: dostune bench --model gpt2-1.3b --micro-batch 8 --seq 1024 --config ds_config.json
+    """
+    sched, sgs = _schedule_from(config, schedule)
+    opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, iters=iters,
+                        warmup=warmup, seed=seed, sub_group_size=sub_group_size, schedule=sched,
+                        dostune_sub_group_size=sgs, node=node,
+                        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
+    opts.resolved_methods()  # fail on bad names before any work
+    with RichProgress() as progress:
+        res = run_bench(opts, progress)
+    path = output or Path("results") / res.node.lower().replace(" ", "-") / f"bench-{model}.json"
+    save_record(res, path)
+    atomic_write_text(path.with_suffix(".md"), markdown(res))
+    png = None
+    if "dostune" in res.methods and res.methods["dostune"].timeline:
+        png = plot_timeline(res.methods["dostune"].timeline, path.with_name(path.stem + "-timeline.png"),
+                            f"dostune update timeline: {model} on {res.node}")
+    err_console.print(render_bench(res))
+    err_console.print(f"results written to [bold]{path}[/] and {path.with_suffix('.md')}"
+                      + (f"; timeline {png}" if png else ""))
+    if json_out:
+        print_json(res)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call that does a session's GPU work and leaves its outputs under $OUT:
+#   run(command="bash scripts/device-session.sh STEP...", carry=[".whl"], timeout_s=600)
+# Steps (in the order given):
+#   env                 versions of what the machine has
+#   profile             dostune profile of the node -> $OUT/node.json
+#   tests               every test marked gpu -> $OUT/gpu-tests.log
+#   bench:MODEL[:ARGS]  dostune bench of MODEL (ARGS: extra flags, commas for spaces) -> $OUT/bench-MODEL.*
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/device-env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    env)
+      { nvidia-smi; python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'deepspeed', deepspeed.__version__)"; nproc; free -g; } > "$OUT/env.txt" 2>&1
+      tail -4 "$OUT/env.txt" ;;
+    profile)
+      timeout 300 python3 -m dostune profile --name h100-pcie5 --output "$OUT/node.json" --force 2>&1 | tail -40 ;;
+    tests)
+      timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    bench:*)
+      spec=${step#bench:}; model=${spec%%:*}; args=""
+      [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr ',' ' ')
+      timeout 420 python3 -m dostune bench --model "$model" --output "$OUT/bench-$model.json" $args 2>&1 | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done $(date +%T)"

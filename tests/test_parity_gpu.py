@@ -1,0 +1,37 @@
+"""The CPU parity tests again on the GPU: the GPU lane now streams over PCIe and runs the Triton kernel."""
+import pytest
+
+from dostune.optim.schedule import ScheduleConfig
+
+from parity_helpers import base_settings, reference, run
+from test_parity import SCHEDULES, check
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_bf16_adamw_clipping_gpu(name):
+    train = base_settings(precision="bf16", clip=1.0)
+    check(run(train, SCHEDULES[name], pin_memory=True), reference(train))
+
+
+@pytest.mark.parametrize("upload", ["gpu_convert", "cpu_convert"])
+@pytest.mark.parametrize("grads_on_gpu", [True, False])
+def test_lane_variants_gpu(upload, grads_on_gpu):
+    train = base_settings(precision="bf16", clip=0.0, adamw=False, weight_decay=0.05)
+    sched = ScheduleConfig(gpu_fraction=0.5, upload=upload, grads_on_gpu=grads_on_gpu)
+    check(run(train, sched, pin_memory=True), reference(train))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_overflow_gpu(precision):
+    train = base_settings(precision=precision)
+    ref = reference(train, steps=30, overflow_steps=(5, 6))
+    ours = run(train, SCHEDULES["every-2nd"], steps=30, overflow_steps=(5, 6), pin_memory=True)
+    check(ours, ref)
+    assert ours["skipped"] == ref["skipped"] == 2
+
+
+def test_grad_accumulation_gpu():
+    train = base_settings(precision="bf16", grad_accum=2, warmup_steps=20)
+    check(run(train, SCHEDULES["every-4th"], steps=50, pin_memory=True), reference(train, steps=50))
