@@ -5,7 +5,7 @@
 #   env                 versions of what the machine has
 #   profile             dostune profile of the node -> $OUT/node.json
 #   tests               every test marked gpu -> $OUT/gpu-tests.log
-#   bench:MODEL[:ARGS]  dostune bench of MODEL (ARGS: extra flags, commas for spaces) -> $OUT/bench-MODEL.*
+#   bench:MODEL[:ARGS]  dostune bench of MODEL (ARGS: extra flags, + for spaces) -> $OUT/bench-MODEL.*
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -22,7 +22,7 @@ for step in "$@"; do
       timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
     bench:*)
       spec=${step#bench:}; model=${spec%%:*}; args=""
-      [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr ',' ' ')
+      [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
       timeout 420 python3 -m dostune bench --model "$model" --output "$OUT/bench-$model.json" $args 2>&1 | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
