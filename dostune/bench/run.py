@@ -5,8 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import os
-import shlex
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -15,6 +13,7 @@ from typing import Optional
 import torch
 
 from .._version import __version__
+from ..invocation import invocation
 from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
@@ -197,7 +196,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return BenchResult(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command=command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        command=command or invocation(),
         dostune_version=__version__, deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
         node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model,
         params=spec.num_params or 0, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,

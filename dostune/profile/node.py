@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from .._version import __version__
+from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
 from .record import NODE_SCHEMA_VERSION, NodeProfile
@@ -100,7 +99,7 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         schema_version=NODE_SCHEMA_VERSION,
         name=opts.name or default_name(gpu),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command=command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        command=command or invocation(),
         dostune_version=__version__,
         repeats=opts.repeats,
         host=host,

@@ -55,7 +55,7 @@ def summary_rows(p: NodeProfile) -> list[Row]:
         r = _rate_row(f"CPU Adam {t} thr" + (" (best)" if t == best else ""), s, 1e9, "G elem/s")
         rows.append(r)
     if p.gpu_adam is not None:
-        rows.append(_rate_row("GPU fused Adam", p.gpu_adam, 1e9, "G elem/s"))
+        rows.append(_rate_row("GPU lane Adam (Triton)", p.gpu_adam, 1e9, "G elem/s"))
     rows.append(_rate_row(f"fp32->{p.convert.dtype} CPU", p.convert.cpu, 1e9, "G elem/s"))
     if p.convert.gpu is not None:
         rows.append(_rate_row(f"fp32->{p.convert.dtype} GPU", p.convert.gpu, 1e9, "G elem/s"))
