@@ -13,8 +13,9 @@ TOL = 1e-6
 
 SCHEDULES = {
     "all-cpu": ScheduleConfig(gpu_fraction=0.0),
-    "every-2nd": ScheduleConfig(gpu_fraction=0.5),
-    "every-4th": ScheduleConfig(gpu_fraction=0.25, staging_buffers=1),
+    "every-2nd": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread"),
+    "every-4th": ScheduleConfig(gpu_fraction=0.25, gpu_placement="spread", staging_buffers=1),
+    "first-60pct": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2),
     "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3),
 }
 

@@ -5,9 +5,9 @@ from dostune.optim.schedule import CPU, GPU, ScheduleConfig, assign_lanes, make_
 
 
 def test_every_kth_subgroup_goes_to_gpu():
-    assert assign_lanes(8, 0.25) == [CPU, CPU, CPU, GPU] * 2
-    assert assign_lanes(6, 1 / 3) == [CPU, CPU, GPU] * 2
-    assert assign_lanes(4, 0.5) == [CPU, GPU, CPU, GPU]
+    assert assign_lanes(8, 0.25, "spread") == [CPU, CPU, CPU, GPU] * 2
+    assert assign_lanes(6, 1 / 3, "spread") == [CPU, CPU, GPU] * 2
+    assert assign_lanes(4, 0.5, "spread") == [CPU, GPU, CPU, GPU]
 
 
 def test_extremes():
@@ -19,7 +19,7 @@ def test_extremes():
 @pytest.mark.parametrize("n", [1, 7, 20, 33])
 @pytest.mark.parametrize("f", [0.1, 0.25, 0.3, 0.5, 0.8])
 def test_fraction_is_respected_and_spread(n, f):
-    lanes = assign_lanes(n, f)
+    lanes = assign_lanes(n, f, "spread")
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     assert len(gpu) == int(n * f + 1e-9)
     # evenly spread: gaps between GPU subgroups differ by at most one
@@ -32,8 +32,16 @@ def test_bad_fraction():
         assign_lanes(4, 1.5)
 
 
+def test_first_and_last_placement():
+    assert assign_lanes(6, 0.5, "first") == [GPU, GPU, GPU, CPU, CPU, CPU]
+    assert assign_lanes(6, 0.5, "last") == [CPU, CPU, CPU, GPU, GPU, GPU]
+    assert assign_lanes(7, 0.3, "first").count(GPU) == assign_lanes(7, 0.3, "spread").count(GPU) == 2
+    with pytest.raises(ValueError):
+        assign_lanes(4, 0.5, "middle")
+
+
 def test_plan_rotates_staging_slots():
-    plan = make_plan(8, ScheduleConfig(gpu_fraction=0.5, staging_buffers=2))
+    plan = make_plan(8, ScheduleConfig(gpu_fraction=0.5, staging_buffers=2, gpu_placement="spread"))
     assert plan.gpu_subgroups == [1, 3, 5, 7]
     assert plan.cpu_order == [0, 2, 4, 6]
     assert [(s.subgroup, s.slot, s.waits_for) for s in plan.gpu_slots] == [

@@ -39,6 +39,7 @@ class MethodResult(_Record):
     bwd: Optional[Stat] = None
     step: Optional[Stat] = None
     peak_gpu_gib: Optional[float] = None
+    phase_peak_gib: dict[str, float] = Field(default_factory=dict)  # peak allocated within fwd, bwd, step
     update_gelem_s: Optional[float] = None
     final_loss: Optional[float] = None
     losses: list[float] = Field(default_factory=list)

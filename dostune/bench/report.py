@@ -35,6 +35,12 @@ def markdown(res: BenchResult) -> str:
              f"Command: `{res.command}`", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(res)]
+    mem = [(n, m) for n, m in res.methods.items() if m.ran and m.phase_peak_gib]
+    if mem:
+        lines += ["", "Peak GPU memory allocated within each phase (GiB):", "", "| method | forward | backward | step |",
+                  "|---|---|---|---|"]
+        lines += [f"| {n} | {m.phase_peak_gib.get('fwd', 0):.2f} | {m.phase_peak_gib.get('bwd', 0):.2f} | "
+                  f"{m.phase_peak_gib.get('step', 0):.2f} |" for n, m in mem]
     lines += ["", "Speedup is ZeRO-Offload's iteration time over the method's. Methods:", ""]
     lines += [f"- `{n}`: {m.description}" for n, m in res.methods.items()]
     failed = [m for m in res.methods.values() if not m.ran]

@@ -86,23 +86,31 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     fwd, bwd, step, it, losses = [], [], [], [], []
-    for k in range(warmup + iters):
-        if k == warmup and torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    phase_peak = {"fwd": 0, "bwd": 0, "step": 0}
+
+    def phase(name: str, fn):
+        if cuda and timed:
             torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        _sync()
+        if cuda and timed:
+            phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated())
+        return out
+
+    for k in range(warmup + iters):
+        timed = k >= warmup
         f = b = s = 0.0
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
             _sync()
             t0 = time.perf_counter()
-            loss = loss_of(engine(**batch))
-            _sync()
+            loss = phase("fwd", lambda: loss_of(engine(**batch)))
             t1 = time.perf_counter()
-            engine.backward(loss)
-            _sync()
+            phase("bwd", lambda: engine.backward(loss))
             t2 = time.perf_counter()
-            engine.step()
-            _sync()
+            phase("step", engine.step)
             t3 = time.perf_counter()
             f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
             losses.append(float(loss.detach().float()))
@@ -112,9 +120,9 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             step.append(s)
             it.append(time.perf_counter() - t_it)
         progress.advance()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    peaks = {k: v / 2**30 for k, v in phase_peak.items()} if cuda else None
     return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
-            "peak": peak, "losses": losses}
+            "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses}
 
 
 def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
@@ -163,6 +171,8 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
                             bwd_s=m["bwd"].median, step_s=m["step"].median, iter=m["iter"], fwd=m["fwd"],
                             bwd=m["bwd"], step=m["step"],
                             peak_gpu_gib=round(m["peak"], 3) if m["peak"] is not None else None,
+                            phase_peak_gib={k: round(v, 3) for k, v in m["phase_peaks"].items()}
+                            if m["phase_peaks"] else {},
                             update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
                             losses=m["losses"], ds_config=cfg, timeline=timeline)
     except (Exception, SystemExit) as e:  # a baseline that cannot run here is reported, not fatal

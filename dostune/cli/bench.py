@@ -59,6 +59,8 @@ def bench(
                                           "ds_config.json (dostune tune)."),
     schedule: Optional[str] = typer.Option(None, help='dostune\'s schedule as JSON, e.g. \'{"gpu_fraction": 0.3}\'.'),
     sub_group_size: int = typer.Option(100_000_000, min=1, help="sub_group_size for DeepSpeed's methods."),
+    dostune_sub_group_size: Optional[int] = typer.Option(None, min=1, help="sub_group_size for dostune "
+                                                         "(default: --config's, else --sub-group-size)."),
     node: Optional[str] = typer.Option(None, help="Node label in the result (default: the GPU name)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
@@ -76,7 +78,7 @@ def bench(
     sched, sgs = _schedule_from(config, schedule)
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, iters=iters,
                         warmup=warmup, seed=seed, sub_group_size=sub_group_size, schedule=sched,
-                        dostune_sub_group_size=sgs, node=node,
+                        dostune_sub_group_size=dostune_sub_group_size or sgs, node=node,
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
     opts.resolved_methods()  # fail on bad names before any work
     with RichProgress() as progress:

@@ -34,6 +34,9 @@ class ScheduleConfig(BaseModel):
     staging_buffers: int = Field(2, ge=1, le=16, description=(
         "GPU staging slots for GPU-lane subgroups: the next one streams in while one updates and "
         "another streams out"))
+    gpu_placement: Literal["first", "spread", "last"] = Field("first", description=(
+        "which subgroups the GPU lane takes: the first ones (their gradients are final last in backward, so "
+        "keeping them on the GPU adds least to peak memory), evenly spread (the paper's every k-th), or the last"))
     cpu_threads: Optional[int] = Field(None, ge=1, description="OpenMP threads for CPU Adam (default: torch's)")
     upload: Literal["gpu_convert", "cpu_convert"] = Field("gpu_convert", description=(
         "how CPU-updated subgroups reach the GPU's half-precision params: upload fp32 and convert on the "
@@ -60,16 +63,25 @@ class ScheduleConfig(BaseModel):
             raise ConfigError(f"invalid DeepSpeed config: {problems}") from None
 
 
-def assign_lanes(num_subgroups: int, gpu_fraction: float) -> list[str]:
-    """Lane of each subgroup. GPU subgroups are spread evenly: subgroup i goes to the GPU when
-    floor((i+1)*f) > floor(i*f). With f = 1/k that is every k-th subgroup, the last of each run of k,
-    as in the Deep Optimizer States paper (the CPU starts on the first ones while the GPU's first
-    subgroup streams in)."""
+def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spread") -> list[str]:
+    """Lane of each subgroup; floor(n*f) of them go to the GPU.
+
+    ``spread``: subgroup i goes to the GPU when floor((i+1)*f) > floor(i*f); with f = 1/k that is every
+    k-th subgroup, the last of each run of k, as in the Deep Optimizer States paper. ``first`` / ``last``:
+    the lowest / highest indices. The two lanes run independently during the step, so placement does not
+    change the step's critical path; it decides when in backward the GPU-lane gradients become final."""
     if num_subgroups < 0:
         raise ValueError("num_subgroups must be >= 0")
     if not 0.0 <= gpu_fraction <= 1.0:
         raise ValueError(f"gpu_fraction must be in [0, 1], got {gpu_fraction}")
     eps = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
+    count = math.floor(num_subgroups * gpu_fraction + eps)
+    if placement == "first":
+        return [GPU if i < count else CPU for i in range(num_subgroups)]
+    if placement == "last":
+        return [GPU if i >= num_subgroups - count else CPU for i in range(num_subgroups)]
+    if placement != "spread":
+        raise ValueError(f"placement must be first, spread or last, got {placement!r}")
     return [GPU if math.floor((i + 1) * gpu_fraction + eps) > math.floor(i * gpu_fraction + eps) else CPU
             for i in range(num_subgroups)]
 
@@ -96,7 +108,7 @@ class Plan:
 
 
 def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:
-    lanes = assign_lanes(num_subgroups, sched.gpu_fraction)
+    lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=gpu[k - n] if k >= n else None) for k, sg in enumerate(gpu)]
