@@ -40,6 +40,7 @@ class MethodResult(_Record):
     step: Optional[Stat] = None
     peak_gpu_gib: Optional[float] = None
     phase_peak_gib: dict[str, float] = Field(default_factory=dict)  # peak allocated within fwd, bwd, step
+    allocated_before_gib: Optional[float] = None  # GPU memory still held when this method started (leak check)
     update_gelem_s: Optional[float] = None
     final_loss: Optional[float] = None
     losses: list[float] = Field(default_factory=list)

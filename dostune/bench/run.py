@@ -68,12 +68,24 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _cleanup(engine=None):
-    if engine is not None:
-        try:
-            engine.destroy()
-        except Exception:
-            pass
+def _cleanup():
+    # DeepSpeed 0.19.8 keeps the last top-level module on a global forward stack
+    # (parameter_offload.FWD_MODULE_STACK), which would keep a finished engine's GPU memory alive.
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack.clear()
+    # ... and memoises PartitionedParameterCoordinator.__params_to_release with a class-level lru_cache
+    # whose keys hold modules.
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _PPC
+
+    fn = getattr(_PPC, "_PartitionedParameterCoordinator__params_to_release", None)
+    candidates = [fn, getattr(fn, "__wrapped__", None)]
+    candidates += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]  # under nvtx wrappers
+    for c in candidates:
+        if hasattr(c, "cache_clear"):
+            c.cache_clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -149,15 +161,12 @@ def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: flo
     return round(min(1.0, max(0.0, 1.0 - extra / (16.0 * params))), 3)
 
 
-def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
-               progress: ProgressSink) -> MethodResult:
+def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict, progress: ProgressSink) -> MethodResult:
     from ..train.engine import build_engine
 
-    cfg = deepspeed_config(opts.train, offload)
     progress.start(f"{name}: building the engine", 1)
-    engine = None
+    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=name == "dostune")
     try:
-        engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=name == "dostune")
         progress.advance()
         progress.start(f"{name}: {opts.warmup} warm-up + {opts.iters} timed iterations", opts.warmup + opts.iters)
         m = measure(engine, spec, opts.seq, opts.iters, opts.warmup, opts.seed, progress)
@@ -167,14 +176,33 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
         if name == "dostune":
             timeline = [Span(lane=s.lane, subgroup=s.subgroup, start=s.start, end=s.end)
                         for s in engine.optimizer.dostune_last_trace]
-        return MethodResult(method=name, description=METHODS[name], iter_s=m["iter"].median, fwd_s=m["fwd"].median,
-                            bwd_s=m["bwd"].median, step_s=m["step"].median, iter=m["iter"], fwd=m["fwd"],
-                            bwd=m["bwd"], step=m["step"],
-                            peak_gpu_gib=round(m["peak"], 3) if m["peak"] is not None else None,
-                            phase_peak_gib={k: round(v, 3) for k, v in m["phase_peaks"].items()}
-                            if m["phase_peaks"] else {},
-                            update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
-                            losses=m["losses"], ds_config=cfg, timeline=timeline)
+    finally:
+        engine.destroy()
+    return MethodResult(method=name, description=METHODS[name], iter_s=m["iter"].median, fwd_s=m["fwd"].median,
+                        bwd_s=m["bwd"].median, step_s=m["step"].median, iter=m["iter"], fwd=m["fwd"],
+                        bwd=m["bwd"], step=m["step"],
+                        peak_gpu_gib=round(m["peak"], 3) if m["peak"] is not None else None,
+                        phase_peak_gib={k: round(v, 3) for k, v in m["phase_peaks"].items()}
+                        if m["phase_peaks"] else {},
+                        update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
+                        losses=m["losses"], ds_config=cfg, timeline=timeline)
+
+
+def gpu_allocated_gib() -> Optional[float]:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
+               progress: ProgressSink) -> MethodResult:
+    cfg = deepspeed_config(opts.train, offload)
+    _cleanup()
+    before = gpu_allocated_gib()
+    try:
+        # The engine lives only inside _build_and_measure: once it returns, nothing here refers to it and the
+        # collection below frees its GPU memory before the next method is measured.
+        res = _build_and_measure(name, spec, opts, cfg, progress)
+        res.allocated_before_gib = round(before, 3) if before is not None else None
+        return res
     except (Exception, SystemExit) as e:  # a baseline that cannot run here is reported, not fatal
         if isinstance(e, DostuneError) and name == "dostune":
             raise
@@ -183,7 +211,7 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
         return MethodResult(method=name, description=METHODS[name], ran=False, error=(msg + "\n" + tb)[:2000],
                             ds_config=cfg)
     finally:
-        _cleanup(engine)
+        _cleanup()
 
 
 def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None) -> BenchResult:
