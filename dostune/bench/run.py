@@ -3,7 +3,6 @@ one process, and measure forward, backward, step and iteration time, peak GPU me
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import os
 import time
 import traceback
@@ -21,6 +20,7 @@ from ..optim.schedule import ScheduleConfig
 from ..profile.identity import cuda_available, deepspeed_version
 from ..profile.timing import NullProgress, ProgressSink
 from ..stats import Stat
+from ..train.engine import free_engine_memory
 from .record import BenchResult, MethodResult, Span
 
 METHODS: dict[str, str] = {
@@ -66,29 +66,6 @@ class BenchOptions:
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _cleanup():
-    # DeepSpeed 0.19.8 keeps the last top-level module on a global forward stack
-    # (parameter_offload.FWD_MODULE_STACK), which would keep a finished engine's GPU memory alive.
-    from deepspeed.runtime.zero import parameter_offload
-
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if isinstance(stack, list):
-        stack.clear()
-    # ... and memoises PartitionedParameterCoordinator.__params_to_release with a class-level lru_cache
-    # whose keys hold modules.
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _PPC
-
-    fn = getattr(_PPC, "_PartitionedParameterCoordinator__params_to_release", None)
-    candidates = [fn, getattr(fn, "__wrapped__", None)]
-    candidates += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]  # under nvtx wrappers
-    for c in candidates:
-        if hasattr(c, "cache_clear"):
-            c.cache_clear()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: int,
@@ -195,7 +172,7 @@ def gpu_allocated_gib() -> Optional[float]:
 def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
                progress: ProgressSink) -> MethodResult:
     cfg = deepspeed_config(opts.train, offload)
-    _cleanup()
+    free_engine_memory()
     before = gpu_allocated_gib()
     try:
         # The engine lives only inside _build_and_measure: once it returns, nothing here refers to it and the
@@ -211,7 +188,7 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
         return MethodResult(method=name, description=METHODS[name], ran=False, error=(msg + "\n" + tb)[:2000],
                             ds_config=cfg)
     finally:
-        _cleanup()
+        free_engine_memory()
 
 
 def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None) -> BenchResult:

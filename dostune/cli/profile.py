@@ -50,6 +50,14 @@ def profile(
                                                    "Default: 1, cores/4, cores/2, 3*cores/4, cores."),
     copy_sizes_mib: Optional[str] = typer.Option(None, help="Comma-separated copy sizes in MiB. Default: 4,16,64,256,1024."),
     no_contention: bool = typer.Option(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
+    model: Optional[str] = typer.Option(None, help="Profile this model instead of the node: a preset (e.g. "
+                                        "gpt2-1.3b), hf:config.json, or package.module:factory."),
+    micro_batch: int = typer.Option(8, min=1, help="With --model: micro-batch size."),
+    seq: int = typer.Option(1024, min=1, help="With --model: sequence length."),
+    sub_group_size: int = typer.Option(100_000_000, min=1, help="With --model: ZeRO-3 sub_group_size whose "
+                                       "subgroups' gradient readiness is timed."),
+    iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
+    plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
     schema: bool = typer.Option(False, "--schema", help="Print the profile's JSON schema and exit."),
@@ -63,10 +71,22 @@ def profile(
     Without a GPU only the CPU side is measured and the GPU side is reported as not available.
     Takes one to two minutes on a GPU node (DeepSpeed's CPU Adam is built on first use, about a minute).
 
-    Example: dostune profile --name h100-pcie5 --output profiles/h100-pcie5.json
+    With --model, profiles that model under DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU instead:
+    forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
+    subgroup's gradients become final in backward, and PCIe traffic per phase. It is written to its own
+    file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.
+
+    Examples:
+      dostune profile --name h100-pcie5 --output profiles/h100-pcie5.json
+      dostune profile --model gpt2-1.3b --micro-batch 8 --seq 1024 --plot memory.png
     """
     if schema:
         print_json(node_profile_schema())
+        return
+    if output is not None and output.exists() and not force:
+        raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
+    if model is not None:
+        _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -74,8 +94,6 @@ def profile(
     opts.cpu_adam_threads = _parse_sizes(cpu_adam_threads, 1, "--cpu-adam-threads") or opts.cpu_adam_threads
     opts.copy_sizes_bytes = _parse_sizes(copy_sizes_mib, 1 << 20, "--copy-sizes-mib") or opts.copy_sizes_bytes
     opts.validate()
-    if output is not None and output.exists() and not force:
-        raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
     with RichProgress() as progress:
         prof = measure_node(opts, progress)
     path = output or Path("runs/profiles") / f"{prof.name}.json"
@@ -86,5 +104,44 @@ def profile(
     for note in prof.notes:
         err_console.print(f"[yellow]note:[/] {note}")
     err_console.print(f"profile written to [bold]{path}[/]")
+    if json_out:
+        print_json(prof)
+
+
+def render_model_profile(p) -> Table:
+    t = Table(title=f"model profile: {p.model} (micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}) on {p.node}")
+    for col in ("phase", "time s (median)", "spread", "peak alloc GiB", "min alloc GiB", "free GiB", "PCIe tx/rx GB/s"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for ph, x in p.phases.items():
+        traffic = p.pcie.get(ph) if p.pcie else None
+        t.add_row(ph, f"{x.time_s.median:.3f}", f"{x.time_s.lo:.3f}-{x.time_s.hi:.3f}", f"{x.peak_allocated_gib:.2f}",
+                  f"{x.min_allocated_gib:.2f}", "-" if x.free_gib is None else f"{x.free_gib:.1f}",
+                  f"{traffic.tx_gbps:.1f}/{traffic.rx_gbps:.1f}" if traffic else "-")
+    return t
+
+
+def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out):
+    from ..profile.model import ModelProfileOptions, default_model_profile_name, measure_model, plot_memory_timeline
+
+    opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
+                               sub_group_size=sub_group_size, iters=iters, node=node)
+    with RichProgress() as progress:
+        prof = measure_model(opts, progress)
+    path = output or Path("runs/profiles") / default_model_profile_name(node or prof.node.replace(" ", "-").lower(),
+                                                                         prof)
+    if output is None and path.exists() and not force:
+        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
+    save_record(prof, path)
+    err_console.print(render_model_profile(prof))
+    ready = [s.grad_ready_s for s in prof.subgroups if s.grad_ready_s is not None]
+    err_console.print(f"{prof.params / 1e9:.3f}B parameters in {prof.num_subgroups} subgroups of up to "
+                      f"{max(s.numel for s in prof.subgroups) / 1e6:.1f}M elements; optimizer state "
+                      f"{prof.optimizer_state_bytes / 2**30:.1f} GiB on the host; gradients final between "
+                      + (f"{min(ready):.3f} and {max(ready):.3f} s into backward" if ready else "(not recorded)"))
+    for note in prof.notes:
+        err_console.print(f"[yellow]note:[/] {note}")
+    if plot is not None:
+        err_console.print(f"memory timeline drawn to [bold]{plot_memory_timeline(prof, plot)}[/]")
+    err_console.print(f"model profile written to [bold]{path}[/]")
     if json_out:
         print_json(prof)

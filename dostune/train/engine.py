@@ -1,6 +1,7 @@
 """Building DeepSpeed engines for a model spec, in one process or under DeepSpeed's launcher."""
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from typing import Callable, Optional
@@ -73,3 +74,27 @@ def train_steps(engine, spec: ModelSpec, steps: int, seq: int, seed: int = 0,
             engine.step()
             losses.append(float(loss.detach().float()))
     return losses
+
+
+def free_engine_memory() -> None:
+    """Release what finished engines hold. Call after dropping the last reference to an engine."""
+    # DeepSpeed 0.19.8 keeps the last top-level module on a global forward stack
+    # (parameter_offload.FWD_MODULE_STACK), which would keep a finished engine's GPU memory alive.
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack.clear()
+    # ... and memoises PartitionedParameterCoordinator.__params_to_release with a class-level lru_cache
+    # whose keys hold modules.
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _PPC
+
+    fn = getattr(_PPC, "_PartitionedParameterCoordinator__params_to_release", None)
+    candidates = [fn, getattr(fn, "__wrapped__", None)]
+    candidates += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]  # under nvtx wrappers
+    for c in candidates:
+        if hasattr(c, "cache_clear"):
+            c.cache_clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

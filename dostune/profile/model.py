@@ -1,0 +1,313 @@
+"""`dostune profile --model`: a model's side of the picture under DeepSpeed ZeRO-3 with CPU optimizer offload.
+
+Measures forward / backward / step times, a memory timeline sampled at module boundaries (forward hooks,
+and gradient hooks in backward), when each optimizer subgroup's gradients become final during backward,
+and PCIe traffic per phase from NVML's counters.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .._version import __version__
+from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..errors import DostuneError
+from ..invocation import invocation
+from ..models.registry import loss_of, resolve_model
+from ..stats import Stat
+from . import identity
+from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile,
+                           SubgroupProfile)
+from .timing import NullProgress, ProgressSink
+
+GiB = 2**30
+
+
+@dataclass
+class ModelProfileOptions:
+    model: str = "gpt2-1.3b"
+    micro_batch: int = 8
+    seq: int = 1024
+    precision: str = "bf16"
+    sub_group_size: int = 100_000_000
+    reduce_bucket_size: int = 50_000_000  # DeepSpeed's gradient bucket: grads become final bucket by bucket
+    iters: int = 5
+    warmup: int = 2
+    seed: int = 0
+    node: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.iters < 1 or self.warmup < 0 or self.micro_batch < 1 or self.seq < 1 or self.sub_group_size < 1:
+            raise DostuneError("--iters, --micro-batch, --seq and --sub-group-size must be positive, --warmup >= 0")
+
+
+class _Memory:
+    """Memory readings: the CUDA caching allocator on a GPU, the process's RSS on a CPU machine."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        if not cuda:
+            import psutil
+
+            self._proc = psutil.Process()
+
+    def read(self) -> tuple[float, float]:
+        if self.cuda:
+            return torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB
+        rss = self._proc.memory_info().rss / GiB
+        return rss, rss
+
+
+class _Recorder:
+    """Collects labelled memory samples for the iteration being recorded."""
+
+    def __init__(self, mem: _Memory):
+        self.mem = mem
+        self.active = False
+        self.phase = "fwd"
+        self.t0 = 0.0
+        self.samples: list[MemorySample] = []
+        self.lock = threading.Lock()
+
+    def start(self):
+        self.samples, self.t0, self.active = [], time.perf_counter(), True
+
+    def sample(self, where: str):
+        if not self.active:
+            return
+        a, r = self.mem.read()
+        with self.lock:
+            self.samples.append(MemorySample(t=time.perf_counter() - self.t0, phase=self.phase, allocated_gib=round(a, 4),
+                                             reserved_gib=round(r, 4), where=where))
+
+
+def _install_memory_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
+    handles = []
+    for name, mod in model.named_modules():
+        if not any(True for _ in mod.parameters(recurse=False)):
+            continue
+        label = name or "<model>"
+        handles.append(mod.register_forward_pre_hook(lambda *_a, _l=label: rec.sample(f"{_l}:enter")))
+        handles.append(mod.register_forward_hook(lambda *_a, _l=label: rec.sample(f"{_l}:exit")))
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda _p, _l=name: rec.sample(f"{_l}:grad")))
+    return handles
+
+
+class _GradReadiness:
+    """Wraps this optimizer instance's ``partition_grads`` (profiling only) to time when each parameter's
+    gradient is partitioned, i.e. final for the step."""
+
+    def __init__(self, opt, cuda: bool):
+        self.opt, self.cuda, self.marks, self.start = opt, cuda, {}, None
+        self._orig = opt.partition_grads
+        opt.partition_grads = self._wrapped
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin(self):
+        self.marks, self.start = {}, self._now()
+
+    def _wrapped(self, params_to_release, grad_partitions):
+        out = self._orig(params_to_release, grad_partitions)
+        if self.start is not None:
+            now = self._now()
+            for p in params_to_release:
+                self.marks[p.ds_id] = now
+        return out
+
+    def restore(self):
+        self.opt.partition_grads = self._orig
+
+    def per_subgroup(self) -> list[Optional[float]]:
+        def secs(m):
+            return self.start.elapsed_time(m) / 1e3 if self.cuda else m - self.start
+
+        out = []
+        for group in self.opt.fp16_groups:
+            ts = [secs(self.marks[p.ds_id]) for p in group if p.ds_id in self.marks]
+            out.append(max(ts) if ts else None)
+        return out
+
+
+class _PcieSampler(threading.Thread):
+    def __init__(self, device: int, phase_of):
+        super().__init__(daemon=True)
+        self.phase_of, self.stop_flag, self.samples = phase_of, threading.Event(), []
+        self.device = device
+
+    def run(self):
+        with identity.nvml() as nv:
+            if nv is None:
+                return
+            try:
+                h = identity.nvml_handle(nv, self.device)
+                while not self.stop_flag.is_set():
+                    tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)  # KB/s, 20 ms window
+                    rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
+                    self.samples.append((self.phase_of(), tx * 1e3 / 1e9, rx * 1e3 / 1e9))
+                    time.sleep(0.02)
+            except nv.NVMLError:
+                return
+
+    def summary(self) -> Optional[dict[str, PcieTraffic]]:
+        out = {}
+        for ph in ("fwd", "bwd", "step"):
+            s = [(tx, rx) for p, tx, rx in self.samples if p == ph]
+            if s:
+                out[ph] = PcieTraffic(tx_gbps=round(sum(x for x, _ in s) / len(s), 3),
+                                      rx_gbps=round(sum(y for _, y in s) / len(s), 3), samples=len(s))
+        return out or None
+
+
+def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = None,
+                  command: Optional[str] = None) -> ModelProfile:
+    from ..train.engine import build_engine, free_engine_memory
+
+    opts.validate()
+    progress = progress or NullProgress()
+    spec = resolve_model(opts.model)
+    if spec.max_seq is not None and opts.seq > spec.max_seq:
+        raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
+    cuda = identity.cuda_available()
+    notes = [] if cuda else ["measured on the CPU: memory is the process's RSS and times are CPU times; "
+                             "GPU figures need a GPU"]
+    train = TrainSettings(micro_batch=opts.micro_batch, precision=opts.precision)
+    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
+                                                  extra_zero={"reduce_bucket_size": opts.reduce_bucket_size}))
+    progress.start(f"{opts.model}: building the ZeRO-3 offload engine", 1)
+    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=False)
+    progress.advance()
+    mem = _Memory(cuda)
+    rec = _Recorder(mem)
+    handles = _install_memory_hooks(engine.module, rec)
+    ready = _GradReadiness(engine.optimizer, cuda)
+    pcie = _PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
+    if pcie:
+        pcie.start()
+    times = {ph: [] for ph in ("fwd", "bwd", "step")}
+    peaks = {ph: 0.0 for ph in times}
+    peaks_res = {ph: 0.0 for ph in times}
+    gen = torch.Generator().manual_seed(opts.seed + 1)
+    total = opts.warmup + opts.iters
+    progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations", total)
+    backward_s = 0.0
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    try:
+        for k in range(total):
+            timed, last = k >= opts.warmup, k == total - 1
+            batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
+            sync()
+            if last:
+                rec.start()
+            for ph in ("fwd", "bwd", "step"):
+                rec.phase = ph
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                if ph == "bwd" and last:
+                    ready.begin()
+                rec.sample(f"{ph}:begin")
+                t0 = time.perf_counter()
+                if ph == "fwd":
+                    loss = loss_of(engine(**batch))
+                elif ph == "bwd":
+                    engine.backward(loss)
+                else:
+                    engine.step()
+                sync()
+                dt = time.perf_counter() - t0
+                rec.sample(f"{ph}:end")
+                if ph == "bwd" and last:
+                    backward_s = dt
+                if timed:
+                    times[ph].append(dt)
+                    if cuda:
+                        peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
+                        peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
+            rec.active = False
+            progress.advance()
+        grad_ready = ready.per_subgroup()
+        opt = engine.optimizer
+        subgroups = [SubgroupProfile(index=i, numel=int(opt.fp16_partitioned_groups_flat_numel[i]),
+                                     params=len(g), grad_ready_s=grad_ready[i])
+                     for i, g in enumerate(opt.fp16_groups)]
+        numel = sum(s.numel for s in subgroups)
+    finally:
+        for h in handles:
+            h.remove()
+        ready.restore()
+        if pcie:
+            pcie.stop_flag.set()
+            pcie.join(timeout=1)
+        engine.destroy()
+        del engine
+        free_engine_memory()
+
+    gpu_total = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
+    phases = {}
+    for ph in times:
+        in_phase = [s for s in rec.samples if s.phase == ph]
+        peak = peaks[ph] if cuda else max(s.allocated_gib for s in in_phase)
+        phases[ph] = PhaseProfile(time_s=Stat.of(times[ph]), peak_allocated_gib=round(peak, 3),
+                                  min_allocated_gib=round(min(s.allocated_gib for s in in_phase), 3),
+                                  peak_reserved_gib=round(peaks_res[ph] if cuda else peak, 3),
+                                  free_gib=round(gpu_total - peak, 3) if gpu_total else None)
+    node = opts.node or (identity.gpu_info(0).name if cuda else f"cpu-{os.cpu_count()}c")
+    return ModelProfile(
+        schema_version=MODEL_SCHEMA_VERSION,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=command or invocation(), dostune_version=__version__, node=node, device="cuda" if cuda else "cpu",
+        gpu_total_gib=round(gpu_total, 3) if gpu_total else None, model=opts.model, architecture=spec.config,
+        params=spec.num_params or numel, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
+        sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,
+        optimizer_state_bytes=16 * numel, phases=phases, backward_s=backward_s, memory_timeline=rec.samples,
+        pcie=pcie.summary() if pcie else None, notes=notes)
+
+
+def default_model_profile_name(node: str, p: ModelProfile) -> str:
+    return f"{node}-{p.model}-b{p.micro_batch}-s{p.seq}.json"
+
+
+def plot_memory_timeline(p: ModelProfile, path) -> "os.PathLike":
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    tl = p.memory_timeline
+    fig, ax = plt.subplots(figsize=(11, 4))
+    colors = {"fwd": "#cfe8ff", "bwd": "#ffe0c7", "step": "#d9f2d0"}
+    for ph in ("fwd", "bwd", "step"):
+        ts = [s.t for s in tl if s.phase == ph]
+        if ts:
+            ax.axvspan(min(ts), max(ts), color=colors[ph], alpha=0.8, label=f"{ph} ({max(ts) - min(ts):.3f} s)")
+    ax.plot([s.t for s in tl], [s.allocated_gib for s in tl], color="black", lw=1.2, label="allocated")
+    ax.plot([s.t for s in tl], [s.reserved_gib for s in tl], color="gray", lw=1, ls="--", label="reserved")
+    ax.set_xlabel("seconds from the start of the iteration")
+    ax.set_ylabel("GiB" if p.device == "cuda" else "GiB (process RSS)")
+    ax.set_title(f"{p.model}, micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}: memory over one iteration "
+                 f"({p.node})")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

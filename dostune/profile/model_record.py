@@ -1,0 +1,96 @@
+"""The typed, versioned model profile record (``dostune.model-profile``).
+
+A model profile is measured for one model, micro-batch, sequence length and precision on one node, under
+DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU. It is kept in its own file beside the node
+profile (``profiles/<node>-<model>-b<B>-s<S>.json``) and names the node it was measured on; the tuner
+reads both.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ProfileError
+from ..stats import Stat
+from .record import _format_validation_error, check_version, read_json_record
+
+MODEL_SCHEMA_VERSION = 1
+MODEL_KIND = "dostune.model-profile"
+PHASES = ("fwd", "bwd", "step")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MemorySample(_Record):
+    """GPU (or, on a CPU machine, process) memory at one point of an iteration."""
+
+    t: float  # seconds from the start of the iteration
+    phase: Literal["fwd", "bwd", "step"]
+    allocated_gib: float
+    reserved_gib: float
+    where: str  # module or event the sample was taken at
+
+
+class PhaseProfile(_Record):
+    time_s: Stat
+    peak_allocated_gib: float
+    min_allocated_gib: float
+    peak_reserved_gib: float
+    free_gib: Optional[float]  # device memory minus the phase's peak allocation (None on CPU)
+
+
+class SubgroupProfile(_Record):
+    index: int
+    numel: int
+    params: int
+    grad_ready_s: Optional[float]  # when, from the start of backward, its last gradient was partitioned
+
+
+class PcieTraffic(_Record):
+    """Mean PCIe throughput per phase from NVML's counters (GB/s; tx = device to host)."""
+
+    tx_gbps: float
+    rx_gbps: float
+    samples: int
+
+
+class ModelProfile(_Record):
+    schema_version: int
+    kind: Literal["dostune.model-profile"] = MODEL_KIND
+    created: str
+    command: str
+    dostune_version: str
+    node: str
+    device: str
+    gpu_total_gib: Optional[float]
+    model: str
+    architecture: dict = Field(default_factory=dict)
+    params: int
+    micro_batch: int
+    seq: int
+    precision: str
+    sub_group_size: int
+    iterations: int
+    subgroups: list[SubgroupProfile]
+    optimizer_state_bytes: int  # fp32 params + exp_avg + exp_avg_sq + fp32 grads held on the host
+    phases: dict[str, PhaseProfile]
+    backward_s: float  # the iteration whose grad-ready times are recorded
+    memory_timeline: list[MemorySample]
+    pcie: Optional[dict[str, PcieTraffic]] = None
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def num_subgroups(self) -> int:
+        return len(self.subgroups)
+
+
+def load_model_profile(path) -> ModelProfile:
+    data = read_json_record(path, "model profile")
+    check_version(data, path, MODEL_KIND, MODEL_SCHEMA_VERSION)
+    try:
+        return ModelProfile.model_validate(data)
+    except ValidationError as e:
+        raise ProfileError(_format_validation_error(str(path), e)) from None

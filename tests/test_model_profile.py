@@ -1,0 +1,55 @@
+import pytest
+from typer.testing import CliRunner
+
+from dostune.cli.app import app
+from dostune.profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
+from dostune.profile.model_record import load_model_profile
+from dostune.profile.record import save_record
+
+
+@pytest.fixture(scope="module")
+def prof():
+    return measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
+                                             reduce_bucket_size=3_000, iters=2, warmup=1), command="pytest")
+
+
+def test_timeline_has_the_three_phases_in_order(prof):
+    phases = [s.phase for s in prof.memory_timeline]
+    order = {"fwd": 0, "bwd": 1, "step": 2}
+    assert phases[0] == "fwd" and phases[-1] == "step"
+    assert all(order[a] <= order[b] for a, b in zip(phases, phases[1:]))
+    assert set(phases) == {"fwd", "bwd", "step"}
+    times = [s.t for s in prof.memory_timeline]
+    assert times == sorted(times)
+    # module boundaries were sampled, not just phase edges
+    assert any(s.where.endswith(":enter") for s in prof.memory_timeline)
+    assert any(s.where.endswith(":grad") for s in prof.memory_timeline)
+
+
+def test_grad_ready_times_are_monotone_in_backward_order(prof):
+    ready = [s.grad_ready_s for s in prof.subgroups]
+    assert len(ready) == 5 and all(r is not None for r in ready)
+    # backward runs from the last layers to the first: later subgroups are final first
+    assert all(a >= b for a, b in zip(ready, ready[1:]))
+    assert ready[0] > ready[-1]
+    assert all(0 <= r <= prof.backward_s * 1.5 for r in ready)
+
+
+def test_counts_and_phases(prof):
+    assert prof.params == 141056 and sum(s.numel for s in prof.subgroups) == prof.params
+    assert prof.optimizer_state_bytes == 16 * prof.params
+    assert set(prof.phases) == {"fwd", "bwd", "step"}
+    assert all(p.time_s.median > 0 for p in prof.phases.values())
+    assert prof.device == "cpu" or prof.phases["bwd"].free_gib is not None
+
+
+def test_round_trip_and_plot(prof, tmp_path):
+    path = save_record(prof, tmp_path / "m.json")
+    assert load_model_profile(path) == prof
+    png = plot_memory_timeline(prof, tmp_path / "m.png")
+    assert png.stat().st_size > 1000
+
+
+def test_cli_model_profile_bad_model():
+    r = CliRunner().invoke(app, ["profile", "--model", "gpt9-huge"])
+    assert r.exit_code == 2 and "unknown model" in r.output
