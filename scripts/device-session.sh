@@ -6,6 +6,7 @@
 #   profile             dostune profile of the node -> $OUT/node.json
 #   tests               every test marked gpu -> $OUT/gpu-tests.log
 #   bench:MODEL[:ARGS]  dostune bench of MODEL (ARGS: extra flags, + for spaces) -> $OUT/bench-MODEL.*
+#   model:MODEL[:ARGS]  dostune profile --model MODEL (micro-batch 8, seq 1024) -> $OUT/model-MODEL.{json,png}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -24,6 +25,11 @@ for step in "$@"; do
       spec=${step#bench:}; model=${spec%%:*}; args=""
       [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
       timeout 420 python3 -m dostune bench --model "$model" --output "$OUT/bench-$model.json" $args 2>&1 | tail -30 ;;
+    model:*)
+      spec=${step#model:}; model=${spec%%:*}; args=""
+      [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
+      timeout 300 python3 -m dostune profile --model "$model" --micro-batch 8 --seq 1024 --name h100-pcie5 \
+        --output "$OUT/model-$model.json" --plot "$OUT/model-$model.png" --force $args 2>&1 | tail -16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
