@@ -142,6 +142,42 @@ class _GradReadiness:
         return out
 
 
+class _StepOverhead:
+    """Times, on this optimizer instance (profiling only), the parts of a step that do not depend on how
+    subgroups are updated: DeepSpeed's step prologue and epilogue helpers, which DeepSpeed's own step and
+    dostune's both call, and the engine's work around ``optimizer.step``."""
+
+    PARTS = ("_pre_step", "_partition_all_parameters", "_overflow_check_and_loss_scale_update", "_get_norm_groups",
+             "_loss_scale_update_and_overflow_cleanup", "_post_step")
+
+    def __init__(self, opt):
+        self.opt, self.parts_s, self.opt_step_s, self._orig = opt, 0.0, 0.0, {}
+        for name in self.PARTS + ("step",):
+            orig = getattr(opt, name)
+            self._orig[name] = orig
+            setattr(opt, name, self._timed(name, orig))
+
+    def _timed(self, name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                if name == "step":
+                    self.opt_step_s += dt
+                else:
+                    self.parts_s += dt
+        return run
+
+    def reset(self):
+        self.parts_s = self.opt_step_s = 0.0
+
+    def restore(self):
+        for name, fn in self._orig.items():
+            setattr(self.opt, name, fn)
+
+
 class _PcieSampler(threading.Thread):
     def __init__(self, device: int, phase_of):
         super().__init__(daemon=True)
@@ -194,6 +230,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     rec = _Recorder(mem)
     handles = _install_memory_hooks(engine.module, rec)
     ready = _GradReadiness(engine.optimizer, cuda)
+    overhead = _StepOverhead(engine.optimizer)
+    overheads = []
     pcie = _PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
     if pcie:
         pcie.start()
@@ -222,6 +260,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                     torch.cuda.reset_peak_memory_stats()
                 if ph == "bwd" and last:
                     ready.begin()
+                overhead.reset()
                 rec.sample(f"{ph}:begin")
                 t0 = time.perf_counter()
                 if ph == "fwd":
@@ -237,6 +276,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                     backward_s = dt
                 if timed:
                     times[ph].append(dt)
+                    if ph == "step":
+                        overheads.append(dt - overhead.opt_step_s + overhead.parts_s)
                     if cuda:
                         peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
                         peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
@@ -252,6 +293,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         for h in handles:
             h.remove()
         ready.restore()
+        overhead.restore()
         if pcie:
             pcie.stop_flag.set()
             pcie.join(timeout=1)
@@ -276,7 +318,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         gpu_total_gib=round(gpu_total, 3) if gpu_total else None, model=opts.model, architecture=spec.config,
         params=spec.num_params or numel, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
         sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,
-        optimizer_state_bytes=16 * numel, phases=phases, backward_s=backward_s, memory_timeline=rec.samples,
+        optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=Stat.of(overheads).median, backward_s=backward_s, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, notes=notes)
 
 

@@ -77,6 +77,7 @@ class ModelProfile(_Record):
     subgroups: list[SubgroupProfile]
     optimizer_state_bytes: int  # fp32 params + exp_avg + exp_avg_sq + fp32 grads held on the host
     phases: dict[str, PhaseProfile]
+    step_overhead_s: Optional[float] = None  # step time outside the per-subgroup updates (prologue, epilogue, engine)
     backward_s: float  # the iteration whose grad-ready times are recorded
     memory_timeline: list[MemorySample]
     pcie: Optional[dict[str, PcieTraffic]] = None

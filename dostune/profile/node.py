@@ -13,7 +13,8 @@ from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
 from .record import NODE_SCHEMA_VERSION, NodeProfile
-from .throughput import default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_gpu_adam
+from .throughput import (default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_gpu_adam,
+                         measure_unscale)
 from .timing import NullProgress, ProgressSink
 
 MiB = 1 << 20
@@ -91,6 +92,7 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
                 if has_gpu else None)
     convert = measure_convert(opts.convert_elements, opts.repeats, opts.half_dtype, cpu_adam.best_threads,
                               opts.device if has_gpu else None, progress)
+    unscale = measure_unscale(opts.convert_elements, opts.repeats, cpu_adam.best_threads, progress)
     contention = None
     if has_gpu and opts.contention:
         contention = measure_contention(max(cpu_sizes), cpu_adam.best_threads, opts.repeats, opts.device,
@@ -109,5 +111,6 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         cpu_adam=cpu_adam,
         gpu_adam=gpu_adam,
         convert=convert,
+        unscale=unscale,
         contention=contention,
     )

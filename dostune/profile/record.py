@@ -166,6 +166,7 @@ class NodeProfile(_Record):
     cpu_adam: CpuAdamProfile
     gpu_adam: Optional[Series]
     convert: ConvertProfile
+    unscale: Optional[Series] = None  # CPU grad *= 1/scale at the best CPU Adam thread count
     contention: Optional[ContentionProfile]
 
     @property

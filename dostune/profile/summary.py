@@ -59,6 +59,8 @@ def summary_rows(p: NodeProfile) -> list[Row]:
     rows.append(_rate_row(f"fp32->{p.convert.dtype} CPU", p.convert.cpu, 1e9, "G elem/s"))
     if p.convert.gpu is not None:
         rows.append(_rate_row(f"fp32->{p.convert.dtype} GPU", p.convert.gpu, 1e9, "G elem/s"))
+    if p.unscale is not None:
+        rows.append(_rate_row("grad unscale CPU", p.unscale, 1e9, "G elem/s"))
     if p.contention is not None:
         k = p.contention
         rows.append(Row("CPU Adam under DMA", f"x{k.slowdown:.2f} slower",

@@ -130,6 +130,18 @@ def measure_convert(sizes: Sequence[int], repeats: int, dtype: str, cpu_threads:
     return ConvertProfile(dtype=dtype, cpu=cpu, gpu=gpu)
 
 
+def measure_unscale(sizes: Sequence[int], repeats: int, threads: int,
+                    progress: Optional[ProgressSink] = None) -> Series:
+    """DeepSpeed's CPU-side unscale/clip of an offloaded fp32 gradient: ``grad.mul_(1 / combined_scale)``."""
+    progress = progress or NullProgress()
+    progress.start("CPU gradient unscale (grad *= 1/scale)", len(sizes) * repeats)
+    g = torch.randn(max(sizes))
+    inv = torch.tensor(1.0 / 1.37)
+    with _threads(threads):
+        return fit_series("elements", [Sample(size=n, threads=threads, seconds=time_cpu(
+            lambda: g[:n].mul_(inv), repeats, progress=progress)) for n in sizes])
+
+
 def measure_contention(elements: int, threads: int, repeats: int, device: int = 0,
                        chunk_bytes: int = 256 << 20, progress: Optional[ProgressSink] = None) -> ContentionProfile:
     """CPU Adam alone, then with both PCIe directions streaming pinned memory underneath it.

@@ -1,0 +1,312 @@
+"""The analytic performance model of the interleaved update (equations in docs/performance-model.md).
+
+A step is simulated as the optimizer runs it: the GPU lane's transfers queue on the H2D and D2H copy
+engines in order (the H2D engine serves copies in submission order, so CPU-lane uploads wait behind the
+GPU lane's inputs, as traced on the H100), the GPU kernel follows each input, the CPU lane runs subgroup
+after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload follows its update.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..optim.schedule import GPU, ScheduleConfig, assign_lanes
+from .inputs import Cost, ModelInputs, NodeInputs
+
+GiB = 2**30
+STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
+GRAD_BYTES = 4
+
+
+@dataclass
+class SimSpan:
+    lane: str  # cpu, h2d, gpu, d2h, up
+    subgroup: int
+    start: float
+    end: float
+    gbps: float = 0.0  # PCIe traffic while it runs (copies only)
+
+
+@dataclass
+class StepPrediction:
+    lanes_s: float  # from the first lane operation to the last
+    overhead_s: float  # DeepSpeed's step prologue and epilogue (fitted, see ds_step_overhead)
+    spans: list[SimSpan] = field(default_factory=list)
+    cpu_busy_s: float = 0.0
+    h2d_busy_s: float = 0.0
+    d2h_busy_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.lanes_s + self.overhead_s
+
+
+def _advance(t: float, work: float, segments: Sequence[tuple[float, float, float]]) -> float:
+    """Finish ``work`` seconds (uncontended) of CPU work started at ``t``; inside each (start, end, slowdown)
+    segment (sorted, disjoint) the CPU runs ``slowdown`` times slower."""
+    for a, b, slow in segments:
+        if b <= t:
+            continue
+        if a > t:  # free stretch before this segment
+            if t + work <= a:
+                return t + work
+            work -= a - t
+            t = a
+        span = (b - t) / slow  # work done if we run slowed to the end of this segment
+        if work <= span:
+            return t + work * slow
+        work -= span
+        t = b
+    return t + work
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[float, float, float]]:
+    """Piecewise-constant CPU slowdown from the DMA traffic of ``spans``: the profile measured CPU Adam
+    ``contention`` times slower under ``contention_gbps`` of combined H2D+D2H traffic; the slowdown is
+    taken to scale linearly with the traffic actually running."""
+    edges = []
+    for x in spans:
+        if x.lane in ("h2d", "d2h", "up") and x.end > x.start:
+            edges += [(x.start, x.gbps), (x.end, -x.gbps)]
+    edges.sort()
+    out, level, prev = [], 0.0, None
+    for t, d in edges:
+        if prev is not None and t > prev and level > 1e-9:
+            slow = 1.0 + (inp.contention - 1.0) * min(1.0, level / inp.contention_gbps)
+            out.append((prev, t, slow))
+        level += d
+        prev = t
+    return out
+
+
+def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> float:
+    """Host time of one CPU-lane subgroup, uncontended: unscale, DeepSpeedCPUAdam (and the CPU conversion
+    when half precision is produced on the CPU)."""
+    t = inp.unscale_cpu.t(size) + inp.cpu_adam[threads].t(size)
+    if upload == "cpu_convert":
+        t += inp.convert_cpu.t(size)
+    return t
+
+
+def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
+                  iterations: int = 4) -> StepPrediction:
+    threads = sched.cpu_threads or inp.default_threads
+    if threads not in inp.cpu_adam:
+        threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
+    cpu = [i for i, lane in enumerate(lanes) if lane != GPU]
+    nbuf = sched.staging_buffers
+    in_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
+    up_bytes = 4 if sched.upload == "gpu_convert" else 2
+
+    # GPU lane: independent of the CPU lane except through the copy engines' queues.
+    spans: list[SimSpan] = []
+    h2d_free = comp_free = d2h_free = 0.0
+    d2h_end: list[float] = []
+    for k, i in enumerate(gpu):
+        s = sizes[i]
+        ready = d2h_end[k - nbuf] if k >= nbuf else 0.0
+        start = max(h2d_free, ready)
+        rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
+        end = start + rate.t(in_bytes * s)
+        spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
+        h2d_free = end
+        c0 = max(end, comp_free)
+        comp_free = c0 + inp.gpu_adam.t(s)
+        spans.append(SimSpan("gpu", i, c0, comp_free))
+        d0 = max(comp_free, d2h_free)
+        last = k == len(gpu) - 1
+        rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
+        d2h_free = d0 + rate.t(STATE_BYTES * s)
+        d2h_end.append(d2h_free)
+        spans.append(SimSpan("d2h", i, d0, d2h_free, STATE_BYTES * s / (d2h_free - d0) / 1e9))
+    gpu_h2d_done = h2d_free
+
+    # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
+    dma = _dma_segments(spans, inp)
+    cpu_spans: list[SimSpan] = []
+    up_spans: list[SimSpan] = []
+    for _ in range(max(1, iterations)):
+        t = 0.0
+        cpu_spans, up_spans = [], []
+        free = gpu_h2d_done
+        for j in cpu:
+            s = sizes[j]
+            end = _advance(t, cpu_lane_seconds(s, inp, threads, sched.upload), dma)
+            cpu_spans.append(SimSpan("cpu", j, t, end))
+            t = end
+            u0 = max(free, end)
+            rate = inp.h2d_duplex if u0 < d2h_free else inp.h2d
+            copy = rate.t(up_bytes * s)
+            u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" else 0.0)
+            up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
+            free = u1
+        dma = _dma_segments(spans + up_spans, inp)
+    spans = spans + cpu_spans + up_spans
+    lanes_s = max((x.end for x in spans), default=0.0)
+
+    def busy(names):
+        return sum(b - a for a, b in _union([(x.start, x.end) for x in spans if x.lane in names]))
+
+    return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
+                          cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
+
+
+def ds_offload_step_lanes(sizes: Sequence[int], inp: NodeInputs, threads: Optional[int] = None) -> float:
+    """DeepSpeed 0.19.8's own offloaded step, subgroup after subgroup: unscale, CPU Adam, then
+    ``fp16_partition.copy_(fp32_partition)``, which converts on the CPU and copies half precision from
+    pageable memory, blocking."""
+    threads = threads or inp.default_threads
+    return sum(inp.unscale_cpu.t(s) + inp.cpu_adam[threads].t(s) + inp.convert_cpu.t(s) + inp.h2d_pageable.t(2 * s)
+               for s in sizes)
+
+
+def ds_step_overhead(m: ModelInputs, ds_sizes: Sequence[int], inp: NodeInputs) -> float:
+    """Step time outside the per-subgroup work (gradient norm, loss-scale and bookkeeping): measured by the
+    model profile when it has it, else fitted as what the measured ZeRO-Offload step leaves over after the
+    modelled per-subgroup work. Never negative."""
+    if m.step_overhead_s is not None:
+        return max(0.0, m.step_overhead_s)
+    if m.ds_step_s is None:
+        return 0.0
+    return max(0.0, m.ds_step_s - ds_offload_step_lanes(ds_sizes, inp))
+
+
+@dataclass
+class MemoryPrediction:
+    peak_gpu_gib: Optional[float]  # None without a model profile
+    extra_step_gib: float  # staging, kept gradients and upload buffers during the step
+    extra_bwd_gib: float  # kept gradients already allocated at backward's peak
+    pinned_host_gib: float
+
+
+def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
+                   grad_alloc_fraction: Optional[Sequence[float]] = None) -> MemoryPrediction:
+    """``grad_alloc_fraction[i]``: how far into backward (0..1) subgroup i's kept-gradient buffer is allocated
+    (its first gradient). Backward's memory is taken to fall linearly from its peak at the start to its
+    minimum at the end (as the measured timeline shows); the buffers add to it from their allocation on."""
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
+    cpu = [i for i, lane in enumerate(lanes) if lane != GPU]
+    slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
+    slots = min(sched.staging_buffers, len(gpu)) * max((sizes[i] for i in gpu), default=0) * slot_bytes
+    up = max((sizes[i] for i in cpu), default=0) * 4 if sched.upload == "gpu_convert" and cpu else 0
+    kept = sum(sizes[i] for i in gpu) * GRAD_BYTES if sched.grads_on_gpu else 0
+    extra_step = (slots + up + kept) / GiB
+    extra_bwd = 0.0
+    if sched.grads_on_gpu and gpu and m.peak_bwd_gib is not None:
+        fr = grad_alloc_fraction or [0.0] * len(sizes)  # unknown: assume allocated at backward's start
+        base = m.peak_bwd_gib - (m.peak_step_gib or 0.0)  # what backward frees by its end
+        extra_bwd = max(
+            (m.peak_bwd_gib - base * phi) + sum(sizes[i] * GRAD_BYTES for i in gpu if fr[i] <= phi) / GiB
+            - m.peak_bwd_gib for phi in sorted({0.0, *(fr[i] for i in gpu)}))
+        extra_bwd = max(0.0, extra_bwd)
+    peak = None
+    if m.offload_peak_gib is not None:
+        step_base = m.peak_step_gib or 0.0
+        peak = max(m.peak_fwd_gib or 0.0, (m.peak_bwd_gib or 0.0) + extra_bwd, step_base + extra_step)
+    total = sum(sizes)
+    pinned = (STATE_BYTES + GRAD_BYTES + GRAD_BYTES) * total  # + DeepSpeed's pinned partition buffer
+    if sched.upload == "cpu_convert" and cpu:
+        pinned += 2 * 2 * max(sizes[i] for i in cpu)
+    return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
+                            pinned_host_gib=pinned / GiB)
+
+
+def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: bool = True,
+                      upload: str = "gpu_convert") -> float:
+    """Closed form (docs/performance-model.md): the share f of elements for the GPU lane that balances the
+    CPU lane against the busier PCIe direction in steady state.
+
+        CPU:  (1 - f) N c            c = seconds per element of unscale + CPU Adam (+ CPU convert), x contention
+        H2D:  N (f b_in + (1 - f) b_up) / B_h2d     b_in = 12 (+4 without kept gradients), b_up = 4 (or 2)
+        D2H:  N f 12 / B_d2h
+
+    The step is the largest of the three; CPU falls and the copies rise with f, so the best f is where the
+    CPU line meets the higher copy line: f = min((c - b_up/B_h2d) / (c + (b_in - b_up)/B_h2d), c / (c + 12/B_d2h)).
+    """
+    c = (cpu_lane_seconds(total, inp, threads, upload) / total) * inp.contention
+    b_in = STATE_BYTES + (0 if grads_on_gpu else GRAD_BYTES)
+    b_up = 4 if upload == "gpu_convert" else 2
+    h2d = inp.h2d_duplex.rate
+    d2h = inp.d2h_duplex.rate
+    f_h2d = (c - b_up / h2d) / (c + (b_in - b_up) / h2d)
+    f_d2h = c / (c + STATE_BYTES / d2h)
+    return min(1.0, max(0.0, min(f_h2d, f_d2h)))
+
+
+def grad_alloc_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
+                         profile_ready: Sequence[Optional[float]], backward_s: float) -> list[float]:
+    """When (as a fraction of backward) each subgroup's first gradient arrives, interpolated by element position
+    from the model profile's per-subgroup readiness at its own sub_group_size. A subgroup's first gradient comes
+    when the subgroup after it (in element order) is complete."""
+    if not profile_sizes or backward_s <= 0 or any(r is None for r in profile_ready):
+        return [0.0] * len(sizes)
+    edges, acc = [], 0
+    for s, r in zip(profile_sizes, profile_ready):
+        edges.append((acc, acc + s, r / backward_s))
+        acc += s
+
+    def ready_at(pos: float) -> float:
+        for a, b, r in edges:
+            if a <= pos < b:
+                return r
+        return edges[-1][2]
+
+    out, acc = [], 0
+    for s in sizes:
+        out.append(min(1.0, ready_at(acc + s)) if acc + s < edges[-1][1] else 0.0)
+        acc += s
+    return out
+
+
+@dataclass
+class Prediction:
+    schedule: ScheduleConfig
+    sub_group_size: int
+    sizes: list[int]
+    step: StepPrediction
+    memory: MemoryPrediction
+    fwd_s: Optional[float]
+    bwd_s: Optional[float]
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s
+
+    @property
+    def iter_s(self) -> Optional[float]:
+        if self.fwd_s is None or self.bwd_s is None:
+            return None
+        return self.fwd_s + self.bwd_s + self.step_s
+
+    @property
+    def objective_s(self) -> float:
+        return self.iter_s if self.iter_s is not None else self.step_s
+
+    @property
+    def update_gelem_s(self) -> float:
+        return sum(self.sizes) / self.step_s / 1e9
+
+
+def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
+            overhead_s: float, grad_alloc: Optional[Sequence[float]] = None) -> Prediction:
+    return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes),
+                      step=simulate_step(sizes, sched, node, overhead_s), memory=predict_memory(sizes, sched, m, grad_alloc),
+                      fwd_s=m.fwd_s, bwd_s=m.bwd_s)
+
+
+def count_for(fraction: float, n: int) -> int:
+    return math.floor(n * fraction + 1e-9)
