@@ -8,6 +8,7 @@ import typer
 from .._version import __version__
 from . import bench as _bench
 from . import profile as _profile
+from . import tune as _tune
 
 app = typer.Typer(
     name="dostune",
@@ -32,6 +33,7 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 
 app.command("profile")(_profile.profile)
+app.command("tune")(_tune.tune)
 app.command("bench")(_bench.bench)
 
 

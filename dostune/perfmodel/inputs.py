@@ -45,6 +45,7 @@ class NodeInputs(BaseModel):
     convert_cpu: Cost  # elements fp32 -> half on the CPU
     convert_gpu: Cost
     unscale_cpu: Cost  # elements: grad *= 1/scale in place on the CPU (derived, see docs)
+    ds_upload: Optional[Cost] = None  # DeepSpeed's own blocking fp32 -> half upload, when measured
     contention: float  # CPU Adam slowdown while PCIe DMA runs (>= 1) ...
     contention_gbps: float  # ... at this much combined H2D + D2H traffic
 
@@ -68,6 +69,7 @@ class NodeInputs(BaseModel):
                    default_threads=min(by_threads, key=lambda t: abs(t - (p.host.physical_cores or p.host.logical_cores))),
                    gpu_adam=Cost.of(p.gpu_adam.fit), convert_cpu=Cost.of(p.convert.cpu.fit),
                    convert_gpu=Cost.of(p.convert.gpu.fit), unscale_cpu=unscale,
+                   ds_upload=Cost.of(p.ds_upload.fit) if p.ds_upload is not None else None,
                    contention=max(1.0, p.contention.slowdown), contention_gbps=2 * p.contention.dma_gbps_during)
 
 

@@ -169,8 +169,11 @@ def ds_offload_step_lanes(sizes: Sequence[int], inp: NodeInputs, threads: Option
     ``fp16_partition.copy_(fp32_partition)``, which converts on the CPU and copies half precision from
     pageable memory, blocking."""
     threads = threads or inp.default_threads
-    return sum(inp.unscale_cpu.t(s) + inp.cpu_adam[threads].t(s) + inp.convert_cpu.t(s) + inp.h2d_pageable.t(2 * s)
-               for s in sizes)
+
+    def upload(s):  # measured as DeepSpeed does it when the profile has it, else composed from its parts
+        return inp.ds_upload.t(s) if inp.ds_upload is not None else inp.convert_cpu.t(s) + inp.h2d_pageable.t(2 * s)
+
+    return sum(inp.unscale_cpu.t(s) + inp.cpu_adam[threads].t(s) + upload(s) for s in sizes)
 
 
 def ds_step_overhead(m: ModelInputs, ds_sizes: Sequence[int], inp: NodeInputs) -> float:

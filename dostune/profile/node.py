@@ -13,8 +13,8 @@ from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
 from .record import NODE_SCHEMA_VERSION, NodeProfile
-from .throughput import (default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_gpu_adam,
-                         measure_unscale)
+from .throughput import (default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_ds_upload,
+                         measure_gpu_adam, measure_unscale)
 from .timing import NullProgress, ProgressSink
 
 MiB = 1 << 20
@@ -93,6 +93,8 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
     convert = measure_convert(opts.convert_elements, opts.repeats, opts.half_dtype, cpu_adam.best_threads,
                               opts.device if has_gpu else None, progress)
     unscale = measure_unscale(opts.convert_elements, opts.repeats, cpu_adam.best_threads, progress)
+    ds_upload = (measure_ds_upload(opts.convert_elements, opts.repeats, opts.half_dtype, opts.device, progress)
+                 if has_gpu else None)
     contention = None
     if has_gpu and opts.contention:
         contention = measure_contention(max(cpu_sizes), cpu_adam.best_threads, opts.repeats, opts.device,
@@ -112,5 +114,6 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         gpu_adam=gpu_adam,
         convert=convert,
         unscale=unscale,
+        ds_upload=ds_upload,
         contention=contention,
     )

@@ -167,6 +167,7 @@ class NodeProfile(_Record):
     gpu_adam: Optional[Series]
     convert: ConvertProfile
     unscale: Optional[Series] = None  # CPU grad *= 1/scale at the best CPU Adam thread count
+    ds_upload: Optional[Series] = None  # DeepSpeed's blocking fp32 (pageable) -> half GPU copy, by elements
     contention: Optional[ContentionProfile]
 
     @property

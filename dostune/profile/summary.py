@@ -61,6 +61,8 @@ def summary_rows(p: NodeProfile) -> list[Row]:
         rows.append(_rate_row(f"fp32->{p.convert.dtype} GPU", p.convert.gpu, 1e9, "G elem/s"))
     if p.unscale is not None:
         rows.append(_rate_row("grad unscale CPU", p.unscale, 1e9, "G elem/s"))
+    if p.ds_upload is not None:
+        rows.append(_rate_row("DeepSpeed half upload", p.ds_upload, 1e9, "G elem/s"))
     if p.contention is not None:
         k = p.contention
         rows.append(Row("CPU Adam under DMA", f"x{k.slowdown:.2f} slower",

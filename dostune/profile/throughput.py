@@ -130,6 +130,24 @@ def measure_convert(sizes: Sequence[int], repeats: int, dtype: str, cpu_threads:
     return ConvertProfile(dtype=dtype, cpu=cpu, gpu=gpu)
 
 
+def measure_ds_upload(sizes: Sequence[int], repeats: int, dtype: str, device: int = 0,
+                      progress: Optional[ProgressSink] = None) -> Series:
+    """DeepSpeed's own way of refreshing a subgroup's half-precision GPU partition after CPU Adam:
+    ``fp16_partition.copy_(fp32_partition)`` from pageable memory, blocking (torch converts on the CPU into
+    a fresh temporary, then copies it through the driver's staging buffer)."""
+    progress = progress or NullProgress()
+    progress.start("DeepSpeed's fp32 -> half GPU upload (pageable, blocking)", len(sizes) * repeats)
+    src = torch.randn(max(sizes))
+    dst = torch.empty(max(sizes), dtype=HALF[dtype], device=torch.device("cuda", device))
+
+    def run(n):
+        dst[:n].copy_(src[:n])
+        torch.cuda.synchronize(device)
+
+    return fit_series("elements", [Sample(size=n, seconds=time_cpu(lambda: run(n), repeats, progress=progress))
+                                   for n in sizes])
+
+
 def measure_unscale(sizes: Sequence[int], repeats: int, threads: int,
                     progress: Optional[ProgressSink] = None) -> Series:
     """DeepSpeed's CPU-side unscale/clip of an offloaded fp32 gradient: ``grad.mul_(1 / combined_scale)``."""

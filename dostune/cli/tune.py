@@ -1,0 +1,133 @@
+"""`dostune tune`: from profiles to a DeepSpeed config with a tuned dostune schedule."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..bench.report import plot_timeline
+from ..profile.record import atomic_write_text, save_record
+from ..tune.record import TuneResult
+from ..tune.search import SAMPLERS, TuneOptions, run_tune
+from .common import RichProgress, err_console, handle_errors, print_json
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def render_trials(res: TuneResult) -> Table:
+    t = Table(title=f"best schedules for {res.model} (micro-batch {res.micro_batch}, {res.precision}) on "
+                    f"{Path(res.node_profile).stem}: {res.trials} trials")
+    for col in ("#", "sub_group_size", "GPU subgroups", "buffers", "threads", "upload", "grads on GPU",
+                "step s", "iter s", "G elem/s", "extra GiB", "peak GiB"):
+        t.add_column(col, justify="right")
+    for r in res.top:
+        s, p = r.schedule, r.predicted
+        gpu = round(s["gpu_fraction"] * r.subgroups + 1e-9)
+        t.add_row(str(r.number), f"{r.sub_group_size:.0e}", f"{gpu}/{r.subgroups}", str(s["staging_buffers"]),
+                  str(s.get("cpu_threads", "-")), s["upload"], "yes" if s["grads_on_gpu"] else "no", _f(p.step_s),
+                  _f(p.iter_s), _f(p.update_gelem_s, "{:.2f}"), _f(p.extra_step_gib, "{:.2f}"),
+                  _f(p.peak_gpu_gib, "{:.1f}"))
+    return t
+
+
+def render_breakdown(res: TuneResult) -> Table:
+    b, d = res.best.predicted, res.ds_offload
+    t = Table(title="predicted phase breakdown (s)")
+    for col in ("", "forward", "backward", "step", "of which lanes", "CPU busy", "H2D busy", "D2H busy", "iteration"):
+        t.add_column(col, justify="right")
+    t.add_row("dostune (best)", _f(b.fwd_s), _f(b.bwd_s), _f(b.step_s), _f(b.lanes_s), _f(b.cpu_busy_s),
+              _f(b.h2d_busy_s), _f(b.d2h_busy_s), _f(b.iter_s))
+    if d is not None:
+        t.add_row(f"ZeRO-Offload (sub_group_size {res.ds_sub_group_size:.0e})", _f(d.fwd_s), _f(d.bwd_s), _f(d.step_s),
+                  _f(d.lanes_s), "", "", "", _f(d.iter_s))
+    return t
+
+
+def render_validation(res: TuneResult) -> Table:
+    t = Table(title="measured vs predicted")
+    for col in ("schedule", "pred iter s", "meas iter s", "iter error", "pred step s", "meas step s", "meas peak GiB"):
+        t.add_column(col, justify="right")
+    for v in res.validation:
+        t.add_row(v.label, _f(v.predicted_iter_s), _f(v.measured_iter_s), _f(v.iter_error, "{:.1%}"),
+                  _f(v.predicted_step_s), _f(v.measured_step_s), _f(v.measured_peak_gpu_gib, "{:.1f}"))
+    return t
+
+
+@handle_errors
+def tune(
+    model: str = typer.Option("gpt2-1.3b", help="Model preset or package.module:factory."),
+    profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Without a GPU and without "
+                                           "this, the shipped H100 profile is used."),
+    model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
+                                                 "NODE-MODEL-bB-sS.json beside the node profile, if any."),
+    trials: int = typer.Option(50, min=1, help="Optuna trials (in total: a resumed study runs only the rest)."),
+    sampler: str = typer.Option("tpe", help="Optuna sampler: " + ", ".join(SAMPLERS) + "."),
+    seed: int = typer.Option(0, help="Sampler seed."),
+    gpu_memory_budget: str = typer.Option("auto", help="GiB the schedule may stage on the GPU during the step; "
+                                          "'auto' = the free memory the model profile measured in the step."),
+    max_peak_increase: float = typer.Option(0.10, min=0.0, help="Predicted peak GPU memory may exceed ZeRO-Offload's "
+                                            "measured peak by at most this fraction."),
+    micro_batch: Optional[int] = typer.Option(None, min=1, help="Micro-batch (default: the model profile's)."),
+    precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
+    lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
+    clip: float = typer.Option(1.0, min=0.0, help="Gradient clipping written into the emitted config (0: off)."),
+    output_dir: Optional[Path] = typer.Option(None, help="Where ds_config.json, tune.json, the timeline PNG and "
+                                              "the study go. Default: runs/tune/MODEL."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///OUTPUT_DIR/study.db."),
+    study_name: Optional[str] = typer.Option(None, help="Study name (default: NODE-MODEL-bB). Re-running with the "
+                                             "same name resumes the study."),
+    validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
+                                 "report measured against predicted."),
+    json_out: bool = typer.Option(False, "--json", help="Print the tuning result as JSON on stdout."),
+):
+    """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
+
+    Fits the analytic model to a node profile and a model profile, searches sub_group_size, the share of
+    subgroups updated on the GPU, staging buffers, CPU threads, how CPU-updated subgroups reach the GPU and
+    whether gradients stay on the GPU, under the GPU memory budget. Writes ds_config.json (ZeRO-3, optimizer
+    offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize accepts and
+    `dostune train` / `dostune.initialize` run with.
+
+    Example: dostune tune --profile profiles/h100-pcie5.json --model gpt2-1.3b --trials 50
+    """
+    opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
+                       seed=seed, gpu_memory_budget=gpu_memory_budget, max_peak_increase=max_peak_increase,
+                       micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
+                       storage=storage, study_name=study_name)
+    with RichProgress() as progress:
+        res, ds_config, space = run_tune(opts, progress)
+        if validate:
+            from ..tune.validate import validate as run_validation
+
+            res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress)
+    out = Path(opts.output_dir or Path("runs") / "tune" / model)
+    cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
+    save_record(res, out / "tune.json")
+    best = res.best
+    from ..optim.schedule import ScheduleConfig
+    from ..perfmodel.model import simulate_step
+
+    sched = ScheduleConfig.model_validate(best.schedule)
+    spans = simulate_step(space.sizes(best.sub_group_size), sched, space.node, space.overhead_s).spans
+    png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
+                        f"{best.sub_group_size:.0e}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
+                        "subgroups on the GPU")
+    for note in res.notes:
+        err_console.print(f"[yellow]note:[/] {note}")
+    err_console.print(render_trials(res))
+    err_console.print(render_breakdown(res))
+    if res.validation:
+        err_console.print(render_validation(res))
+        err_console.print(f"median iteration-time prediction error: [bold]{res.median_iter_error:.1%}[/]")
+    d = res.ds_offload
+    if d is not None and d.iter_s and best.predicted.iter_s:
+        err_console.print(f"predicted speedup over ZeRO-Offload: {d.iter_s / best.predicted.iter_s:.2f}x")
+    err_console.print(f"DeepSpeed config written to [bold]{cfg_path}[/]; report {out / 'tune.json'}; "
+                      f"timeline {png}")
+    if json_out:
+        print_json(res)

@@ -1,0 +1,273 @@
+"""`dostune tune`: fit the performance model to the profiles, search the schedule space with Optuna, emit a
+DeepSpeed config with a ``dostune`` section."""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .._version import __version__
+from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..errors import DostuneError, ProfileError
+from ..invocation import invocation
+from ..models.registry import resolve_model
+from ..perfmodel.inputs import ModelInputs, NodeInputs
+from ..perfmodel.model import Prediction, ds_offload_step_lanes
+from ..perfmodel.subgroups import param_numels
+from ..profile.identity import cuda_available
+from ..profile.model_record import ModelProfile, load_model_profile
+from ..profile.paths import shipped_profile
+from ..profile.record import NodeProfile, load_node_profile
+from ..profile.timing import NullProgress, ProgressSink
+from .record import PredictedTimes, TrialRecord, TuneResult
+from .space import UPLOADS, Candidate, Space
+
+SAMPLERS = ("tpe", "random", "qmc")
+
+
+@dataclass
+class TuneOptions:
+    model: str = "gpt2-1.3b"
+    profile: Optional[Path] = None  # node profile
+    model_profile: Optional[Path] = None
+    micro_batch: Optional[int] = None  # default: the model profile's
+    seq: Optional[int] = None
+    precision: Optional[str] = None
+    trials: int = 50
+    sampler: str = "tpe"
+    seed: int = 0
+    gpu_memory_budget: str = "auto"  # "auto" or GiB
+    max_peak_increase: Optional[float] = 0.10  # over ZeRO-Offload's measured peak
+    output_dir: Optional[Path] = None
+    storage: Optional[str] = None
+    study_name: Optional[str] = None
+    lr: float = 1e-4
+    clip: float = 1.0
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[ModelProfile], Optional[Path]]:
+    if opts.profile is not None:
+        node_path = Path(opts.profile)
+    elif not cuda_available():
+        node_path = shipped_profile()
+        opts.notes.append(f"no --profile given on a machine without a GPU: using the shipped H100 profile {node_path}")
+    else:
+        raise DostuneError("no --profile given", hint="measure this node first: dostune profile --output node.json, "
+                           "then dostune tune --profile node.json")
+    node = load_node_profile(node_path)
+    model_path = Path(opts.model_profile) if opts.model_profile else None
+    if model_path is None:
+        # profiles/<node>-<model>-b<B>-s<S>.json beside the node profile, the layout `dostune profile --model` uses
+        candidates = sorted(node_path.parent.glob(f"{node.name}-{opts.model}-b*-s*.json"))
+        if opts.micro_batch is not None:
+            candidates = [c for c in candidates if f"-b{opts.micro_batch}-" in c.name]
+        if opts.seq is not None:
+            candidates = [c for c in candidates if c.name.endswith(f"-s{opts.seq}.json")]
+        model_path = candidates[0] if candidates else None
+        if model_path is not None:
+            opts.notes.append(f"model profile: {model_path}")
+    model = load_model_profile(model_path) if model_path is not None else None
+    if model is not None and model.model != opts.model:
+        raise ProfileError(f"{model_path} profiles {model.model}, not {opts.model}")
+    if model is not None and model.node != node.name:
+        opts.notes.append(f"the model profile was measured on '{model.node}', the node profile is '{node.name}'")
+    if model is None:
+        opts.notes.append("no model profile: forward/backward times and the step's free memory are unknown, so the "
+                          "search minimises the optimizer step alone (run `dostune profile --model` for more)")
+    return node, node_path, model, model_path
+
+
+def _budget(opts: TuneOptions, m: ModelInputs) -> Optional[float]:
+    if opts.gpu_memory_budget == "auto":
+        if m.free_step_gib is None:
+            raise DostuneError("--gpu-memory-budget auto needs a model profile measured on the GPU "
+                               "(it is the free memory during the step)", hint="give a number of GiB instead")
+        return m.free_step_gib
+    try:
+        value = float(opts.gpu_memory_budget)
+    except ValueError:
+        raise DostuneError(f"--gpu-memory-budget must be 'auto' or a number of GiB, got {opts.gpu_memory_budget!r}") \
+            from None
+    if value <= 0:
+        raise DostuneError(f"--gpu-memory-budget must be positive, got {value}")
+    return value
+
+
+def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[ModelProfile], Optional[Path], ModelInputs]:
+    node_p, node_path, model_p, model_path = resolve_profiles(opts)
+    node = NodeInputs.from_profile(node_p)
+    spec = resolve_model(opts.model)
+    numels = param_numels(spec)
+    if model_p is not None:
+        m = ModelInputs.from_profile(model_p)
+        prof_sub = ([s.numel for s in model_p.subgroups], [s.grad_ready_s for s in model_p.subgroups], model_p.backward_s)
+    else:
+        m = ModelInputs(model=opts.model, params=sum(numels))
+        prof_sub = None
+    budget = _budget(opts, m)
+    peak_limit = None
+    if opts.max_peak_increase is not None and m.offload_peak_gib is not None:
+        peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
+    space = Space(node, m, numels, budget, peak_limit, profile_subgroups=prof_sub)
+    return space, node_p, node_path, model_p, model_path, m
+
+
+def _times(p: Prediction) -> PredictedTimes:
+    s, mem = p.step, p.memory
+    return PredictedTimes(fwd_s=p.fwd_s, bwd_s=p.bwd_s, step_s=p.step_s, iter_s=p.iter_s, lanes_s=s.lanes_s,
+                          overhead_s=s.overhead_s, cpu_busy_s=s.cpu_busy_s, h2d_busy_s=s.h2d_busy_s,
+                          d2h_busy_s=s.d2h_busy_s, update_gelem_s=p.update_gelem_s, peak_gpu_gib=mem.peak_gpu_gib,
+                          extra_step_gib=mem.extra_step_gib, extra_bwd_gib=mem.extra_bwd_gib,
+                          pinned_host_gib=mem.pinned_host_gib)
+
+
+def trial_record(space: Space, c: Candidate, p: Prediction, number: Optional[int] = None) -> TrialRecord:
+    return TrialRecord(number=number, sub_group_size=c.sub_group_size, subgroups=len(p.sizes),
+                       schedule=p.schedule.model_dump(exclude_none=True), predicted=_times(p), feasible=space.feasible(p))
+
+
+def _candidate(space: Space, params: dict) -> Candidate:
+    sgs = params["sub_group_size"]
+    n = len(space.sizes(sgs))
+    return Candidate(sgs, round(params["gpu_share"] * n), params["staging_buffers"], params["cpu_threads"],
+                     params["upload"], params["grads_on_gpu"])
+
+
+def _sampler(name: str, seed: int):
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=10)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "qmc":
+        return optuna.samplers.QMCSampler(seed=seed)
+    raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
+
+
+def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
+    key = {"node": [node_p.name, node_p.created], "model": [opts.model, model_p.created if model_p else None],
+           "budget": space.budget_gib, "peak": space.max_peak_gib, "sizes": space.sub_group_sizes,
+           "threads": space.threads}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, problem_key: str,
+              progress: ProgressSink):
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(logging.WARNING)
+    study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
+                                sampler=_sampler(opts.sampler, opts.seed), load_if_exists=True)
+    stored = study.user_attrs.get("problem")
+    if stored is not None and stored != problem_key:
+        raise DostuneError(f"study '{study_name}' in {storage} was made for other profiles or limits",
+                           hint="pass another --study-name, or delete the study's database")
+    if stored is None:
+        study.set_user_attr("problem", problem_key)
+    # A run that was killed leaves its in-flight trial RUNNING: close it so it is neither lost track of
+    # nor counted; completed trials are already committed to SQLite and are kept.
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)
+    if not study.trials:
+        for c in space.closed_form_candidates():
+            n = len(space.sizes(c.sub_group_size))
+            study.enqueue_trial({"sub_group_size": c.sub_group_size, "gpu_share": c.gpu_count / n,
+                                 "staging_buffers": c.staging_buffers, "cpu_threads": c.cpu_threads,
+                                 "upload": c.upload, "grads_on_gpu": c.grads_on_gpu})
+
+    def objective(trial):
+        c = _candidate(space, {
+            "sub_group_size": trial.suggest_categorical("sub_group_size", space.sub_group_sizes),
+            "gpu_share": trial.suggest_float("gpu_share", 0.0, 1.0),
+            "staging_buffers": trial.suggest_int("staging_buffers", 1, 4),
+            "cpu_threads": trial.suggest_categorical("cpu_threads", space.threads),
+            "upload": trial.suggest_categorical("upload", list(UPLOADS)),
+            "grads_on_gpu": trial.suggest_categorical("grads_on_gpu", [True, False]),
+        })
+        p = space.evaluate(c)
+        budget_over, peak_over = space.violations(p)
+        # Optuna's constrained sampling (TPE) steers away from trials with positive values
+        trial.set_constraint("staging_over_budget_gib", budget_over)
+        trial.set_constraint("peak_over_limit_gib", peak_over)
+        trial.set_user_attr("feasible", space.feasible(p))
+        return p.objective_s
+
+    done = sum(1 for t in study.trials if t.state == TrialState.COMPLETE)
+    remaining = max(0, opts.trials - done)
+    progress.start(f"searching schedules ({done} done, {remaining} to go)", max(remaining, 1))
+    if remaining:
+        study.optimize(objective, n_trials=remaining, callbacks=[lambda *_: progress.advance()])
+    else:
+        progress.advance()
+    return study
+
+
+def ranked(space: Space, study) -> list[TrialRecord]:
+    from optuna.trial import TrialState
+
+    seen, out = set(), []
+    trials = sorted((t for t in study.trials if t.state == TrialState.COMPLETE and t.user_attrs.get("feasible")),
+                    key=lambda t: t.value)
+    for t in trials:
+        c = _candidate(space, t.params)
+        if c in seen:
+            continue
+        seen.add(c)
+        out.append(trial_record(space, c, space.evaluate(c), t.number))
+    return out
+
+
+def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float) -> dict:
+    from ..optim.schedule import ScheduleConfig
+
+    sched = ScheduleConfig.model_validate(rec.schedule)
+    train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip)
+    return deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched))
+
+
+def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
+    progress = progress or NullProgress()
+    if opts.trials < 1:
+        raise DostuneError(f"--trials must be at least 1, got {opts.trials}")
+    space, node_p, node_path, model_p, model_path, m = build_space(opts)
+    micro_batch = opts.micro_batch or (model_p.micro_batch if model_p else 8)
+    if model_p is not None and micro_batch != model_p.micro_batch:
+        raise DostuneError(f"--micro-batch {micro_batch} differs from the model profile's {model_p.micro_batch}: "
+                           "its forward/backward times and memory would not apply", hint="profile that batch size")
+    precision = opts.precision or (model_p.precision if model_p else "bf16")
+    out_dir = Path(opts.output_dir or Path("runs") / "tune" / opts.model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
+    study_name = opts.study_name or f"{node_p.name}-{opts.model}-b{micro_batch}"
+    study = run_study(space, opts, storage, study_name, _problem_key(node_p, model_p, opts, space), progress)
+    top = ranked(space, study)
+    if not top:
+        raise DostuneError("no schedule met the GPU memory limits in the trials run",
+                           hint="raise --gpu-memory-budget / --max-peak-increase, or run more --trials")
+    closed = [trial_record(space, c, space.evaluate(c)) for c in space.closed_form_candidates()]
+    ds_pred = None
+    ds_sgs = m.ds_sub_group_size or 100_000_000
+    ds_sizes = space.sizes(ds_sgs)
+    ds_lanes = ds_offload_step_lanes(ds_sizes, space.node)
+    ds_step = ds_lanes + space.overhead_s
+    ds_pred = PredictedTimes(fwd_s=m.fwd_s, bwd_s=m.bwd_s, step_s=ds_step,
+                             iter_s=(m.fwd_s + m.bwd_s + ds_step) if m.fwd_s is not None else None, lanes_s=ds_lanes,
+                             overhead_s=space.overhead_s, cpu_busy_s=ds_lanes, h2d_busy_s=0.0, d2h_busy_s=0.0,
+                             update_gelem_s=sum(ds_sizes) / ds_step / 1e9, peak_gpu_gib=m.offload_peak_gib,
+                             extra_step_gib=0.0, extra_bwd_gib=0.0, pinned_host_gib=8 * sum(ds_sizes) / 2**30)
+    result = TuneResult(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), command=invocation(),
+        dostune_version=__version__, node_profile=str(node_path), model_profile=str(model_path) if model_path else None,
+        model=opts.model, params=sum(space.numels), micro_batch=micro_batch,
+        seq=model_p.seq if model_p else opts.seq, precision=precision, budget_gib=space.budget_gib,
+        max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
+        trials=len(study.trials), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
+        ds_sub_group_size=ds_sgs, notes=list(opts.notes))
+    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip), space

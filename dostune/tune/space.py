@@ -1,0 +1,108 @@
+"""The schedule search: what is searched, how one candidate is scored, and the exhaustive reference."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from ..errors import DostuneError
+from ..optim.schedule import ScheduleConfig
+from ..perfmodel.inputs import ModelInputs, NodeInputs
+from ..perfmodel.model import Prediction, best_gpu_fraction, ds_step_overhead, grad_alloc_fractions, predict
+from ..perfmodel.subgroups import subgroup_sizes
+
+SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
+BUFFERS = (1, 2, 3, 4)
+UPLOADS = ("gpu_convert", "cpu_convert")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    sub_group_size: int
+    gpu_count: int  # subgroups on the GPU lane
+    staging_buffers: int
+    cpu_threads: int
+    upload: str
+    grads_on_gpu: bool
+
+
+class Space:
+    """Everything the search needs, fixed for one (node, model, batch) problem."""
+
+    def __init__(self, node: NodeInputs, model: ModelInputs, param_numels: list[int], budget_gib: Optional[float],
+                 max_peak_gib: Optional[float], world_size: int = 1,
+                 profile_subgroups: Optional[tuple[list[int], list[Optional[float]], float]] = None,
+                 sub_group_sizes=SUB_GROUP_SIZES):
+        self.node, self.model = node, model
+        self.numels = param_numels
+        self.world_size = world_size
+        total = sum(param_numels)
+        self.sub_group_sizes = [s for s in sub_group_sizes if s < total] or [total]
+        self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
+        self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
+        ds_sizes = subgroup_sizes(param_numels, model.ds_sub_group_size or 100_000_000, world_size)
+        self.overhead_s = ds_step_overhead(model, ds_sizes, node)
+        self._profile_subgroups = profile_subgroups
+        self._sizes: dict[int, tuple[int, ...]] = {}
+        self._alloc: dict[int, tuple[float, ...]] = {}
+
+    def sizes(self, sub_group_size: int) -> tuple[int, ...]:
+        if sub_group_size not in self._sizes:
+            self._sizes[sub_group_size] = tuple(subgroup_sizes(self.numels, sub_group_size, self.world_size))
+        return self._sizes[sub_group_size]
+
+    def grad_alloc(self, sub_group_size: int) -> Optional[tuple[float, ...]]:
+        if self._profile_subgroups is None:
+            return None
+        if sub_group_size not in self._alloc:
+            psizes, pready, bwd = self._profile_subgroups
+            self._alloc[sub_group_size] = tuple(grad_alloc_fractions(self.sizes(sub_group_size), psizes, pready, bwd))
+        return self._alloc[sub_group_size]
+
+    def schedule(self, c: Candidate) -> ScheduleConfig:
+        n = len(self.sizes(c.sub_group_size))
+        # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
+        return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
+                              cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
+                              expected_subgroups=n)
+
+    def evaluate(self, c: Candidate) -> Prediction:
+        return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c), self.node, self.model,
+                       self.overhead_s, self.grad_alloc(c.sub_group_size))
+
+    def violations(self, p: Prediction) -> list[float]:
+        """Constraint values, <= 0 when satisfied (Optuna's convention): GiB over the staging budget, GiB over
+        the peak limit."""
+        out = [p.memory.extra_step_gib - self.budget_gib if self.budget_gib is not None else -1.0]
+        peak = p.memory.peak_gpu_gib
+        out.append(peak - self.max_peak_gib if (self.max_peak_gib is not None and peak is not None) else -1.0)
+        return out
+
+    def feasible(self, p: Prediction) -> bool:
+        return all(v <= 0 for v in self.violations(p))
+
+    def closed_form_candidates(self) -> Iterator[Candidate]:
+        """The closed-form GPU share for each sub_group_size at the fastest CPU thread count: seeds for the search."""
+        t = max(self.threads, key=lambda x: self.node.cpu_adam[x].rate)
+        for sgs in self.sub_group_sizes:
+            n = len(self.sizes(sgs))
+            f = best_gpu_fraction(sum(self.numels), self.node, t)
+            yield Candidate(sgs, round(f * n), 2, t, "gpu_convert", True)
+
+    def all_candidates(self) -> Iterator[Candidate]:
+        for sgs in self.sub_group_sizes:
+            n = len(self.sizes(sgs))
+            for k, b, t, u, g in itertools.product(range(n + 1), BUFFERS, self.threads, UPLOADS, (True, False)):
+                yield Candidate(sgs, k, b, t, u, g)
+
+
+def brute_force(space: Space) -> tuple[Candidate, Prediction]:
+    """Exhaustive search over the discrete space: the reference the tuner is tested against."""
+    best = None
+    for c in space.all_candidates():
+        p = space.evaluate(c)
+        if space.feasible(p) and (best is None or p.objective_s < best[1].objective_s):
+            best = (c, p)
+    if best is None:
+        raise DostuneError("no schedule fits the GPU memory budget; raise --gpu-memory-budget or --max-peak-increase")
+    return best
