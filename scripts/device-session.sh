@@ -6,6 +6,8 @@
 #   profile             dostune profile of the node -> $OUT/node.json
 #   tests               every test marked gpu -> $OUT/gpu-tests.log
 #   bench:MODEL[:ARGS]  dostune bench of MODEL (ARGS: extra flags, + for spaces) -> $OUT/bench-MODEL.*
+#   tune:MODEL[:ARGS]   dostune tune with $OUT/node.json if this call profiled, else the shipped profile
+#                       -> $OUT/tune-MODEL/{ds_config.json,tune.json,timeline.png}
 #   model:MODEL[:ARGS]  dostune profile --model MODEL (micro-batch 8, seq 1024) -> $OUT/model-MODEL.{json,png}
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,13 @@ for step in "$@"; do
       spec=${step#bench:}; model=${spec%%:*}; args=""
       [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
       timeout 420 python3 -m dostune bench --model "$model" --output "$OUT/bench-$model.json" $args 2>&1 | tail -30 ;;
+    tune:*)
+      spec=${step#tune:}; model=${spec%%:*}; args=""
+      [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
+      prof=profiles/h100-pcie5.json; [ -f "$OUT/node.json" ] && prof="$OUT/node.json"
+      timeout 480 python3 -m dostune tune --model "$model" --profile "$prof" \
+        --model-profile "profiles/h100-pcie5-$model-b8-s1024.json" --output-dir "$OUT/tune-$model" \
+        --storage "sqlite:////tmp/study-$model.db" $args 2>&1 | tail -45 ;;
     model:*)
       spec=${step#model:}; model=${spec%%:*}; args=""
       [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')

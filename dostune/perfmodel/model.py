@@ -7,7 +7,6 @@ after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload fo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -229,25 +228,35 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
 
 
 def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: bool = True,
-                      upload: str = "gpu_convert") -> float:
+                      upload: str = "gpu_convert", iterations: int = 3) -> float:
     """Closed form (docs/performance-model.md): the share f of elements for the GPU lane that balances the
     CPU lane against the busier PCIe direction in steady state.
 
-        CPU:  (1 - f) N c            c = seconds per element of unscale + CPU Adam (+ CPU convert), x contention
+        CPU:  (1 - f) N c k          c = seconds per element of unscale + CPU Adam (+ CPU convert)
+                                     k = contention slowdown under the DMA traffic the step itself makes
         H2D:  N (f b_in + (1 - f) b_up) / B_h2d     b_in = 12 (+4 without kept gradients), b_up = 4 (or 2)
         D2H:  N f 12 / B_d2h
 
     The step is the largest of the three; CPU falls and the copies rise with f, so the best f is where the
-    CPU line meets the higher copy line: f = min((c - b_up/B_h2d) / (c + (b_in - b_up)/B_h2d), c / (c + 12/B_d2h)).
+    CPU line meets the higher copy line: f = min((c k - b_up/B_h2d) / (c k + (b_in - b_up)/B_h2d),
+    c k / (c k + 12/B_d2h)). k depends on the traffic, i.e. on f: k = 1 + (K - 1) min(1, traffic / K_traffic)
+    with the profiled slowdown K at K_traffic GB/s; starting from k = K, a few substitutions converge.
     """
-    c = (cpu_lane_seconds(total, inp, threads, upload) / total) * inp.contention
+    c = cpu_lane_seconds(total, inp, threads, upload) / total
     b_in = STATE_BYTES + (0 if grads_on_gpu else GRAD_BYTES)
     b_up = 4 if upload == "gpu_convert" else 2
-    h2d = inp.h2d_duplex.rate
-    d2h = inp.d2h_duplex.rate
-    f_h2d = (c - b_up / h2d) / (c + (b_in - b_up) / h2d)
-    f_d2h = c / (c + STATE_BYTES / d2h)
-    return min(1.0, max(0.0, min(f_h2d, f_d2h)))
+    h2d, d2h = inp.h2d_duplex.rate, inp.d2h_duplex.rate
+    k = inp.contention
+    f = 0.0
+    for _ in range(max(1, iterations)):
+        ck = c * k
+        f_h2d = (ck - b_up / h2d) / (ck + (b_in - b_up) / h2d)
+        f_d2h = ck / (ck + STATE_BYTES / d2h)
+        f = min(1.0, max(0.0, min(f_h2d, f_d2h)))
+        step = max((1 - f) * ck, (f * b_in + (1 - f) * b_up) / h2d, f * STATE_BYTES / d2h)  # seconds per element
+        traffic_gbps = (f * b_in + (1 - f) * b_up + f * STATE_BYTES) / step / 1e9
+        k = 1.0 + (inp.contention - 1.0) * min(1.0, traffic_gbps / inp.contention_gbps)
+    return f
 
 
 def grad_alloc_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
@@ -311,5 +320,14 @@ def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, no
                       fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
 
-def count_for(fraction: float, n: int) -> int:
-    return math.floor(n * fraction + 1e-9)
+def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "first") -> int:
+    """The number of GPU-lane subgroups whose elements come closest to ``share`` of all elements (subgroups
+    differ in size, e.g. the embedding's), for a placement."""
+    total = sum(sizes)
+    n = len(sizes)
+
+    def elem_share(k: int) -> float:
+        lanes = assign_lanes(n, k / n if n else 0.0, placement)
+        return sum(s for s, lane in zip(sizes, lanes) if lane == GPU) / total
+
+    return min(range(n + 1), key=lambda k: abs(elem_share(k) - share))

@@ -268,6 +268,6 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         model=opts.model, params=sum(space.numels), micro_batch=micro_batch,
         seq=model_p.seq if model_p else opts.seq, precision=precision, budget_gib=space.budget_gib,
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
-        trials=len(study.trials), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
+        trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, notes=list(opts.notes))
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip), space

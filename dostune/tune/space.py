@@ -8,7 +8,8 @@ from typing import Iterator, Optional
 from ..errors import DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.model import Prediction, best_gpu_fraction, ds_step_overhead, grad_alloc_fractions, predict
+from ..perfmodel.model import (Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
+                               grad_alloc_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
@@ -84,10 +85,10 @@ class Space:
     def closed_form_candidates(self) -> Iterator[Candidate]:
         """The closed-form GPU share for each sub_group_size at the fastest CPU thread count: seeds for the search."""
         t = max(self.threads, key=lambda x: self.node.cpu_adam[x].rate)
+        f = best_gpu_fraction(sum(self.numels), self.node, t)
         for sgs in self.sub_group_sizes:
-            n = len(self.sizes(sgs))
-            f = best_gpu_fraction(sum(self.numels), self.node, t)
-            yield Candidate(sgs, round(f * n), 2, t, "gpu_convert", True)
+            for buffers in (2, 4):
+                yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f), buffers, t, "gpu_convert", True)
 
     def all_candidates(self) -> Iterator[Candidate]:
         for sgs in self.sub_group_sizes:

@@ -1,0 +1,118 @@
+import math
+
+import pytest
+
+from dostune.optim.schedule import ScheduleConfig
+from dostune.perfmodel.inputs import Cost, NodeInputs
+from dostune.perfmodel.model import (_advance, best_gpu_fraction, ds_offload_step_lanes, predict_memory,
+                                     simulate_step)
+from dostune.perfmodel.inputs import ModelInputs
+from dostune.perfmodel.subgroups import subgroup_sizes
+
+
+def node(h2d=50e9, d2h=50e9, duplex=40e9, cpu=4e9, gpu=100e9, unscale=20e9, conv_cpu=10e9, conv_gpu=500e9,
+         contention=1.0, overhead=0.0):
+    c = lambda r: Cost(overhead_s=overhead, rate=r)  # noqa: E731
+    return NodeInputs(node="hand", h2d=c(h2d), d2h=c(d2h), h2d_duplex=c(duplex), d2h_duplex=c(duplex),
+                      h2d_pageable=c(5e9), cpu_adam={8: c(cpu / 2), 16: c(cpu)}, best_threads=16, default_threads=16,
+                      gpu_adam=c(gpu), convert_cpu=c(conv_cpu), convert_gpu=c(conv_gpu), unscale_cpu=c(unscale),
+                      contention=contention, contention_gbps=80.0)
+
+
+def test_subgroups_follow_deepspeed_rule():
+    assert subgroup_sizes([5, 5, 5, 5], 10) == [10, 10]
+    assert subgroup_sizes([3, 8, 2, 4], 10) == [11, 6]
+    assert subgroup_sizes([3, 3], 100) == [6]
+    assert subgroup_sizes([7, 7], 10, world_size=2) == [8]  # ceil(7/2) = 4 per rank
+
+
+def test_advance_through_contended_segments():
+    assert _advance(0.0, 1.0, []) == 1.0
+    # 1 s of work; [0.5, 1.5) runs at half speed: 0.5 done by 0.5, 0.5 more takes 1.0 -> ends at 1.5
+    assert _advance(0.0, 1.0, [(0.5, 1.5, 2.0)]) == pytest.approx(1.5)
+    # segment too short to finish inside: 0.25 of work in [0.5,1.0) at half speed, remaining 0.25 free
+    assert _advance(0.0, 1.0, [(0.5, 1.0, 2.0)]) == pytest.approx(1.25)
+
+
+def test_all_cpu_step_by_hand():
+    n = node()
+    sizes = [1_000_000_000, 1_000_000_000]
+    p = simulate_step(sizes, ScheduleConfig(gpu_fraction=0.0, cpu_threads=16), n)
+    cpu = 1e9 / 20e9 + 1e9 / 4e9  # unscale + Adam per subgroup
+    up = 4e9 / 50e9 + 1e9 / 500e9  # fp32 up alone (nothing else on the link) + GPU convert
+    # second upload waits for the second CPU subgroup; the first upload overlaps it
+    assert p.lanes_s == pytest.approx(2 * cpu + up)
+    assert p.cpu_busy_s == pytest.approx(2 * cpu)
+
+
+def test_single_gpu_subgroup_by_hand():
+    n = node()
+    p = simulate_step([1_000_000_000], ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n)
+    expect = 12e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9  # in (alone), kernel, out (alone)
+    assert p.lanes_s == pytest.approx(expect)
+
+
+def test_staging_slot_reuse_serialises_with_one_buffer():
+    n = node()
+    sizes = [1_000_000_000] * 3
+    one = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n).lanes_s
+    two = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=2), n).lanes_s
+    assert two < one
+    # one slot: three in-kernel-out chains back to back; the first copy in and the last copy out run alone,
+    # the other four at the duplex rate
+    assert one == pytest.approx(2 * 12e9 / 50e9 + 4 * 12e9 / 40e9 + 3 * 1e9 / 100e9)
+
+
+def test_contention_slows_the_cpu_lane():
+    sizes = [500_000_000] * 4
+    sched = ScheduleConfig(gpu_fraction=0.5, cpu_threads=16)
+    calm = simulate_step(sizes, sched, node(contention=1.0))
+    busy = simulate_step(sizes, sched, node(contention=1.6))
+    assert busy.cpu_busy_s > calm.cpu_busy_s
+
+
+@pytest.mark.parametrize("f", [0.0, 0.25, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("buffers", [1, 2, 4])
+def test_faster_pcie_never_predicts_slower(f, buffers):
+    sizes = [300_000_000, 250_000_000, 400_000_000, 100_000_000, 350_000_000, 200_000_000]
+    sched = ScheduleConfig(gpu_fraction=f, staging_buffers=buffers, cpu_threads=16)
+    prev = math.inf
+    for scale in (0.5, 1.0, 1.5, 2.0, 4.0):
+        t = simulate_step(sizes, sched, node(h2d=50e9 * scale, d2h=50e9 * scale, duplex=40e9 * scale,
+                                             contention=1.5)).step_s
+        assert t <= prev + 1e-12
+        prev = t
+
+
+def test_closed_form_balances_cpu_and_copies():
+    n = node(contention=1.0)
+    f = best_gpu_fraction(10**9, n, 16)
+    c = 1 / 20e9 + 1 / 4e9
+    f_h2d = (c - 4 / 40e9) / (c + 8 / 40e9)
+    f_d2h = c / (c + 12 / 40e9)
+    assert f == pytest.approx(min(f_h2d, f_d2h))
+    assert 0 < f < 1
+
+
+def test_deepspeed_step_by_hand():
+    n = node()
+    sizes = [10**9, 10**9]
+    per = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9 + 2e9 / 5e9  # unscale, adam, CPU convert, pageable half upload
+    assert ds_offload_step_lanes(sizes, n) == pytest.approx(2 * per)
+
+
+def test_memory_prediction():
+    m = ModelInputs(model="x", params=4 * 10**8, peak_fwd_gib=10.0, peak_bwd_gib=12.0, peak_step_gib=2.0)
+    sizes = [10**8] * 4
+    sched = ScheduleConfig(gpu_fraction=0.5, staging_buffers=2, grads_on_gpu=True)
+    mem = predict_memory(sizes, sched, m, grad_alloc_fraction=[0.9, 0.7, 0.5, 0.3])
+    slots = 2 * 10**8 * 12
+    up = 10**8 * 4
+    kept = 2 * 10**8 * 4
+    assert mem.extra_step_gib == pytest.approx((slots + up + kept) / 2**30)
+    # "first" placement: subgroups 0 and 1 keep gradients, allocated 70% and 90% into backward, when backward
+    # has freed 7 and 9 GiB of its 10 GiB: the 0.37 GiB each never lift backward's peak
+    assert mem.extra_bwd_gib == 0.0
+    assert mem.peak_gpu_gib == pytest.approx(max(12.0, 2.0 + mem.extra_step_gib))
+    early = predict_memory(sizes, sched, m, grad_alloc_fraction=[0.0, 0.0, 0.5, 0.3])
+    assert early.extra_bwd_gib == pytest.approx(kept / 2**30)
