@@ -8,6 +8,7 @@ import typer
 from .._version import __version__
 from . import bench as _bench
 from . import profile as _profile
+from . import train as _train
 from . import tune as _tune
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 app.command("profile")(_profile.profile)
 app.command("tune")(_tune.tune)
+app.command("train")(_train.train)
 app.command("bench")(_bench.bench)
 
 

@@ -101,6 +101,26 @@ def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
     return None
 
 
+def check_staging_fits(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig,
+                       capacity_bytes: Optional[int] = None) -> None:
+    """Refuse a schedule whose step-time GPU staging cannot fit on the device at all (checked before
+    anything is allocated, so a bad config fails in seconds, not with an out-of-memory mid-step)."""
+    from ..perfmodel.model import staging_bytes
+
+    if capacity_bytes is None:
+        if not torch.cuda.is_available():
+            return
+        capacity_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+            - torch.cuda.memory_allocated()
+    need = staging_bytes([int(n) for n in opt.fp16_partitioned_groups_flat_numel], schedule)
+    if need > capacity_bytes:
+        raise ConfigError(
+            f"the dostune schedule stages {need / 2**30:.1f} GiB on the GPU during the step, but only "
+            f"{capacity_bytes / 2**30:.1f} GiB are left on the device after the model",
+            hint="lower staging_buffers or gpu_fraction, set grads_on_gpu false, or use a smaller sub_group_size "
+                 "(dostune tune picks these under a memory budget)")
+
+
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     _dos: _State
 
@@ -122,6 +142,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"the dostune section was tuned for {schedule.expected_subgroups} subgroups but this model has {n} "
                 f"at sub_group_size {opt.sub_group_size:g}",
                 hint="re-run `dostune tune` for this model, or remove 'expected_subgroups' from the dostune section")
+        check_staging_fits(opt, schedule)
         opt.__class__ = cls
         opt._dostune_init(schedule)
         return opt

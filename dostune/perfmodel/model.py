@@ -186,6 +186,19 @@ def ds_step_overhead(m: ModelInputs, ds_sizes: Sequence[int], inp: NodeInputs) -
     return max(0.0, m.ds_step_s - ds_offload_step_lanes(ds_sizes, inp))
 
 
+def staging_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
+    """GPU memory the interleaved update holds during the step: the staging slots, the CPU lane's upload
+    buffer and the gradients kept on the GPU for GPU-lane subgroups."""
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
+    cpu = [s for s, lane in zip(sizes, lanes) if lane != GPU]
+    slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
+    slots = min(sched.staging_buffers, len(gpu)) * max(gpu, default=0) * slot_bytes
+    up = max(cpu, default=0) * 4 if sched.upload == "gpu_convert" else 0
+    kept = sum(gpu) * GRAD_BYTES if sched.grads_on_gpu else 0
+    return slots + up + kept
+
+
 @dataclass
 class MemoryPrediction:
     peak_gpu_gib: Optional[float]  # None without a model profile
@@ -202,11 +215,7 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
     lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     cpu = [i for i, lane in enumerate(lanes) if lane != GPU]
-    slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
-    slots = min(sched.staging_buffers, len(gpu)) * max((sizes[i] for i in gpu), default=0) * slot_bytes
-    up = max((sizes[i] for i in cpu), default=0) * 4 if sched.upload == "gpu_convert" and cpu else 0
-    kept = sum(sizes[i] for i in gpu) * GRAD_BYTES if sched.grads_on_gpu else 0
-    extra_step = (slots + up + kept) / GiB
+    extra_step = staging_bytes(sizes, sched) / GiB
     extra_bwd = 0.0
     if sched.grads_on_gpu and gpu and m.peak_bwd_gib is not None:
         fr = grad_alloc_fraction or [0.0] * len(sizes)  # unknown: assume allocated at backward's start

@@ -1,0 +1,77 @@
+"""`dostune train`: train with a DeepSpeed config and its dostune schedule, one GPU or many."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..train.loop import Interrupted, TrainOptions, train as run_train
+from .common import err_console, handle_errors, print_json
+
+
+@handle_errors
+def train(
+    config: Path = typer.Option(..., help="DeepSpeed config (ZeRO-3, offload_optimizer to cpu), e.g. the one "
+                                "`dostune tune` wrote. Its 'dostune' section selects the interleaved optimizer; "
+                                "without one this is plain DeepSpeed."),
+    model: str = typer.Option("gpt2-1.3b", help="Model preset, hf:config.json, or package.module:factory."),
+    steps: int = typer.Option(100, min=1, help="Optimizer steps to reach (a resumed run continues up to it)."),
+    seq: int = typer.Option(1024, min=1, help="Sequence length."),
+    data: Optional[Path] = typer.Option(None, help="A text file or a folder of text files (tokenised with a "
+                                        "byte-level tokenizer, or --tokenizer). Default: seeded synthetic tokens."),
+    tokenizer: Optional[Path] = typer.Option(None, help="A `tokenizers` JSON file for --data."),
+    seed: int = typer.Option(0, help="Seed for the weights and the batches."),
+    save_dir: Optional[Path] = typer.Option(None, help="Checkpoint folder (DeepSpeed's format, one tag per save)."),
+    save_every: int = typer.Option(0, min=0, help="Save every N steps (0: only at the end and on Ctrl-C)."),
+    resume: bool = typer.Option(False, help="Continue from the latest checkpoint in --save-dir, bit-exactly."),
+    log_every: int = typer.Option(10, min=1, help="Print a line every N steps (the progress bar updates always)."),
+    metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
+                                           "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
+    plain_deepspeed: bool = typer.Option(False, help="Ignore the config's dostune section (DeepSpeed's own update)."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout at the end."),
+):
+    """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
+
+    Progress shows loss, tokens/s, iteration time and its forward/backward/step split, and GPU memory.
+    Ctrl-C finishes the current step, saves a checkpoint and exits; --resume continues from it with the
+    same batches, so the loss sequence equals an uninterrupted run's. Checkpoints are DeepSpeed's own and
+    load into plain DeepSpeed ZeRO-3 (and vice versa).
+
+    Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
+      deepspeed --num_gpus 2 -m dostune.train --config ds_config.json --model gpt2-1.3b --steps 200
+
+    Example: dostune train --config runs/tune/gpt2-1.3b/ds_config.json --model gpt2-1.3b --steps 200 --data corpus/
+    """
+    import os
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    metrics = metrics or ((save_dir / "metrics.jsonl") if save_dir else Path("runs/train") / model.replace(":", "_")
+                          / "metrics.jsonl")
+    opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
+                        save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
+                        plain_deepspeed=plain_deepspeed)
+    progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
+    with progress:
+        task = progress.add_task("train", total=steps, info="building the engine...")
+
+        def on_step(r):
+            mem = f" | {r.gpu_mem_gib:.1f} GiB" if r.gpu_mem_gib is not None else ""
+            info = (f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s | {r.iter_s:.3f} s = fwd {r.fwd_s:.3f} + bwd "
+                    f"{r.bwd_s:.3f} + step {r.step_s:.3f}{mem}")
+            progress.update(task, completed=r.step, info=info)
+            if rank0 and (r.step % log_every == 0 or r.step == steps):
+                progress.console.print(f"step {r.step:>6}  {info}", highlight=False)
+
+        summary = run_train(opts, on_step=on_step)
+    if rank0:
+        err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
+                          f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))
+        if json_out:
+            print_json(summary.__dict__)
+    if summary.interrupted:
+        raise Interrupted(f"interrupted at step {summary.last_step}"
+                          + (f"; checkpoint saved to {summary.checkpoints[-1]}, continue with --resume"
+                             if summary.checkpoints else " (no --save-dir, nothing saved)"))

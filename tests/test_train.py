@@ -1,0 +1,145 @@
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dostune.cli.app import app
+from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from dostune.errors import ConfigError, DostuneError
+from dostune.optim.schedule import ScheduleConfig
+from dostune.train.loop import TrainOptions, train
+
+STEPS = 8
+
+
+def write_config(tmp_path, schedule=ScheduleConfig(gpu_fraction=0.5), name="ds_config.json", **train_kw):
+    cfg = deepspeed_config(TrainSettings(micro_batch=2, lr=1e-3, warmup_steps=3, **train_kw),
+                           OffloadSettings(sub_group_size=20_000, pin_memory=False, schedule=schedule))
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def opts(cfg, save_dir=None, steps=STEPS, **kw):
+    return TrainOptions(config=cfg, model="gpt2-tiny", steps=steps, seq=16, save_dir=save_dir, **kw)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    return train(opts(write_config(tmp), tmp / "ckpt"))
+
+
+def test_runs_with_the_interleaved_optimizer(uninterrupted):
+    assert uninterrupted.optimizer == "InterleavedZeroOptimizer"
+    assert uninterrupted.steps_run == STEPS and len(uninterrupted.losses) == STEPS
+
+
+def test_resume_is_bit_exact(tmp_path, uninterrupted):
+    cfg = write_config(tmp_path)
+    first = train(opts(cfg, tmp_path / "ckpt", steps=3))
+    rest = train(opts(cfg, tmp_path / "ckpt", resume=True))
+    assert rest.first_step == 3
+    assert first.losses + rest.losses == uninterrupted.losses
+
+
+@pytest.mark.parametrize("first_plain", [True, False])
+def test_checkpoints_cross_load_between_deepspeed_and_dostune(tmp_path, uninterrupted, first_plain):
+    cfg = write_config(tmp_path)
+    first = train(opts(cfg, tmp_path / "ckpt", steps=4, plain_deepspeed=first_plain))
+    rest = train(opts(cfg, tmp_path / "ckpt", resume=True, plain_deepspeed=not first_plain))
+    assert {first.optimizer, rest.optimizer} == {"DeepSpeedZeroOptimizer_Stage3", "InterleavedZeroOptimizer"}
+    # same math on both sides: the mixed run is the uninterrupted one
+    assert first.losses + rest.losses == uninterrupted.losses
+
+
+def test_ctrl_c_saves_and_resume_continues(tmp_path, uninterrupted):
+    cfg = write_config(tmp_path)
+
+    def interrupt(rec):
+        if rec.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    got = train(opts(cfg, tmp_path / "ckpt"), on_step=interrupt)
+    assert got.interrupted and got.last_step == 2
+    assert (tmp_path / "ckpt" / "step2").is_dir()
+    rest = train(opts(cfg, tmp_path / "ckpt", resume=True))
+    assert got.losses + rest.losses == uninterrupted.losses
+
+
+def test_text_corpus_and_metrics(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("offloaded optimizer states stream over pcie. " * 400)
+    (corpus / "b.md").write_text("the cpu and the gpu update subgroups together. " * 400)
+    metrics = tmp_path / "m.jsonl"
+    r = CliRunner().invoke(app, ["train", "--config", str(write_config(tmp_path)), "--model", "gpt2-tiny", "--steps",
+                                 "12", "--seq", "32", "--data", str(corpus), "--metrics", str(metrics),
+                                 "--log-every", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 13))
+    assert {"loss", "tokens_per_s", "fwd_s", "bwd_s", "step_s", "lr", "grad_norm"} <= set(lines[0])
+    assert lines[-1]["loss"] < lines[0]["loss"]  # repetitive text: learnable within a few steps
+    assert json.loads(r.stdout)["optimizer"] == "InterleavedZeroOptimizer"
+
+
+def _tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
+    cfg = write_config(tmp_path)
+    train(opts(cfg, tmp_path / "ckpt", steps=2))
+    for f in (tmp_path / "ckpt" / "step2").glob("*optim_states.pt"):
+        f.write_bytes(f.read_bytes()[:100])  # truncated
+    before = _tree_hash(tmp_path / "ckpt")
+    with pytest.raises(DostuneError, match="could not be loaded"):
+        train(opts(cfg, tmp_path / "ckpt", resume=True))
+    assert _tree_hash(tmp_path / "ckpt") == before
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(DostuneError, match="does not exist"):
+        train(opts(tmp_path / "missing.json"))
+    with pytest.raises(DostuneError, match="unknown model"):
+        train(TrainOptions(config=write_config(tmp_path), model="gpt5-giant", steps=2, seq=16))
+    with pytest.raises(DostuneError, match="no checkpoint"):
+        train(opts(write_config(tmp_path), tmp_path / "empty", resume=True))
+    bad = json.loads(write_config(tmp_path).read_text())
+    bad["zero_optimization"]["stage"] = 2
+    (tmp_path / "stage2.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="stage 3"):
+        train(opts(tmp_path / "stage2.json"))
+
+
+def test_subgroup_count_mismatch(tmp_path):
+    cfg = write_config(tmp_path, ScheduleConfig(gpu_fraction=0.5, expected_subgroups=9))
+    with pytest.raises(ConfigError, match="tuned for 9 subgroups but this model has 5"):
+        train(opts(cfg))
+
+
+def test_staging_larger_than_the_gpu_is_refused():
+    from types import SimpleNamespace
+
+    from dostune.optim.zero3 import check_staging_fits
+
+    opt = SimpleNamespace(fp16_partitioned_groups_flat_numel=[10**9] * 4)
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=4)
+    with pytest.raises(ConfigError, match="stages .* GiB on the GPU during the step, but only 10.0 GiB"):
+        check_staging_fits(opt, sched, capacity_bytes=10 * 2**30)
+    check_staging_fits(opt, ScheduleConfig(gpu_fraction=0.0, upload="cpu_convert"), capacity_bytes=10 * 2**30)
+
+
+def test_cli_train_help_mentions_the_launcher():
+    r = CliRunner().invoke(app, ["train", "--help"])
+    assert r.exit_code == 0 and "deepspeed --num_gpus" in r.stdout
