@@ -58,26 +58,36 @@ class HFTrainerCallback:
         trainer = Trainer(..., args=TrainingArguments(..., deepspeed="ds_config.json"))
         trainer.add_callback(dostune.HFTrainerCallback())
 
-    At ``on_train_begin`` the Trainer's DeepSpeed engine exists; its ZeRO-3 optimizer is switched to the
-    schedule in the config's ``dostune`` section. Kept duck-typed so transformers stays optional.
+    The Trainer (through Accelerate) builds the DeepSpeed engine before ``on_train_begin``; there the engine's
+    ZeRO-3 optimizer (inside Accelerate's optimizer wrapper) is switched to the schedule in the config's
+    ``dostune`` section, or to ``schedule`` if given. Duck-typed, so transformers stays an optional dependency.
     """
 
     def __init__(self, schedule: Optional[ScheduleConfig | dict] = None):
         self.schedule = schedule
         self.optimizer = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        engine = getattr(getattr(kwargs.get("trainer"), "model_wrapped", None), "optimizer", None) and \
-            kwargs["trainer"].model_wrapped
-        if engine is None:
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's DeepSpeedOptimizerWrapper
-            engine = type("_Engine", (), {"optimizer": inner, "config": getattr(args, "hf_deepspeed_config", None)
-                                          and args.hf_deepspeed_config.config})()
-        self.optimizer = attach(engine, self.schedule)
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        from .zero3 import InterleavedZeroOptimizer
+
+        zero3 = getattr(optimizer, "optimizer", optimizer)  # accelerate's DeepSpeedOptimizerWrapper
+        schedule = self.schedule
+        if isinstance(schedule, dict):
+            schedule = ScheduleConfig.from_ds_config({"dostune": schedule})
+        if schedule is None:
+            ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+            schedule = ScheduleConfig.from_ds_config(ds_config)
+        if schedule is None:
+            raise ConfigError("HFTrainerCallback: the DeepSpeed config has no 'dostune' section and no schedule "
+                              "was given")
+        if zero3 is None or not hasattr(zero3, "fp32_partitioned_groups_flat"):
+            raise ConfigError("HFTrainerCallback: the Trainer has no DeepSpeed ZeRO-3 optimizer (pass "
+                              "TrainingArguments(deepspeed=...) with zero_optimization.stage 3)")
+        self.optimizer = InterleavedZeroOptimizer.adopt(zero3, schedule)
         return control
 
     def __getattr__(self, name):
-        # transformers calls every on_* event on each callback; the others are no-ops here.
+        # transformers calls every on_* event on each callback; the others change nothing here.
         if name.startswith("on_"):
-            return lambda *a, **k: k.get("control", a[2] if len(a) > 2 else None)
+            return lambda *args, **kwargs: None
         raise AttributeError(name)
