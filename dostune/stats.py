@@ -2,24 +2,37 @@
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pydantic import BaseModel, Field
 
 
 class Stat(BaseModel):
-    """Median of repeated samples, with the smallest and largest sample as the spread."""
+    """Median of repeated samples, with the smallest and largest sample as the spread, and the quartiles
+    (a spread that one outlier does not blow up)."""
 
     median: float
     lo: float
     hi: float
     n: int = Field(ge=1)
+    q1: Optional[float] = None
+    q3: Optional[float] = None
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Stat":
         if not samples:
             raise ValueError("Stat.of needs at least one sample")
-        return cls(median=statistics.median(samples), lo=min(samples), hi=max(samples), n=len(samples))
+        q1 = q3 = None
+        if len(samples) >= 4:
+            q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        return cls(median=statistics.median(samples), lo=min(samples), hi=max(samples), n=len(samples), q1=q1, q3=q3)
+
+    @property
+    def rel_iqr(self) -> float:
+        """Half the interquartile range over the median (half the min-max range when quartiles are missing)."""
+        if self.q1 is None or self.q3 is None or self.median == 0:
+            return self.rel_spread
+        return (self.q3 - self.q1) / (2 * abs(self.median))
 
     @property
     def rel_spread(self) -> float:

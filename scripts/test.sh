@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what the tests need into .venv and run the suite (GPU tests skip without a GPU).
+# Install what the tests need into .venv, run the suite (GPU tests skip without a GPU), then the CPU
+# regression gate on the optimizer step (scripts/ci-bench-check.sh).
 # This is the README's test command; .ci/run calls exactly this.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +12,6 @@ if [ $rc -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
   exit 1
 fi
-exit $rc
+[ $rc -ne 0 ] && exit $rc
+# the optimizer step must not get slower than the committed CPU baseline (dostune check, by ratio)
+bash scripts/ci-bench-check.sh

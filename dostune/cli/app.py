@@ -7,6 +7,7 @@ import typer
 
 from .._version import __version__
 from . import bench as _bench
+from . import check as _check
 from . import profile as _profile
 from . import train as _train
 from . import tune as _tune
@@ -37,6 +38,7 @@ app.command("profile")(_profile.profile)
 app.command("tune")(_tune.tune)
 app.command("train")(_train.train)
 app.command("bench")(_bench.bench)
+app.command("check")(_check.check)
 
 
 def main() -> None:

@@ -1,0 +1,94 @@
+"""`dostune check`: a CI gate on iteration time against a stored baseline."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..bench.check import UnusableInput, compare, junit_xml
+from ..bench.record import load_bench
+from ..errors import DostuneError, ProfileError
+from ..profile.record import atomic_write_text
+from .common import err_console, handle_errors, print_json
+
+
+def _fraction(text: str) -> float:
+    t = text.strip()
+    try:
+        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise UnusableInput(f"--max-regression: expected e.g. 5% or 0.05, got {text!r}") from None
+
+
+def _load(path: Path, what: str):
+    try:
+        return load_bench(path)
+    except ProfileError as e:
+        raise UnusableInput(f"{what}: {e}") from None
+
+
+@handle_errors
+def check(
+    baseline: Path = typer.Option(..., help="Stored baseline: a `dostune bench` result JSON."),
+    current: Optional[Path] = typer.Option(None, help="Result to check. Default: run `dostune bench` now with the "
+                                           "baseline's model, batch and methods (or --run)."),
+    run: Optional[str] = typer.Option(None, help="Extra `dostune bench` arguments for the fresh run, quoted."),
+    max_regression: str = typer.Option("5%", help="Allowed slowdown, e.g. 5% or 0.05."),
+    ratio_only: bool = typer.Option(False, help="Compare only dostune's speedup over ZeRO-Offload (measured within "
+                                    "each run), not absolute times: for a baseline from another machine."),
+    update_baseline: bool = typer.Option(False, help="Write the current result over the baseline (deliberately)."),
+    junit: Optional[Path] = typer.Option(None, help="Also write a JUnit XML report here."),
+    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON on stdout."),
+):
+    """Compare a fresh (or given) bench result with a baseline; exit 0 within tolerance, 1 on a regression,
+    2 on unusable input.
+
+    Per method and phase (forward, backward, step, iteration) the current/baseline ratio of medians, and
+    dostune's speedup over ZeRO-Offload. A slowdown counts only when it exceeds both --max-regression and
+    the spread the two runs measured.
+
+    Example (GitHub Actions step): dostune check --baseline results/baseline.json --max-regression 5% --junit check.xml
+    """
+    tol = _fraction(max_regression)
+    base = _load(baseline, "baseline")
+    if current is None:
+        from ..bench.run import BenchOptions, run_bench
+
+        opts = BenchOptions(model=base.model, micro_batch=base.micro_batch, seq=base.seq, precision=base.precision,
+                            iters=base.iters, warmup=base.warmup, seed=base.seed,
+                            methods=[m for m, r in base.methods.items() if r.ran])
+        if run:
+            raise DostuneError("--run: give the bench arguments to `dostune bench` and pass its output with --current")
+        cur = run_bench(opts)
+    else:
+        cur = _load(current, "current")
+    rep = compare(base, cur, tol, ratio_only)
+    table = Table(title=f"dostune check: tolerance {tol:.0%}" + (", speedups only" if ratio_only else ""))
+    for col in ("what", "baseline", "current", "change", "noise", "repeats", "verdict"):
+        table.add_column(col, justify="left" if col in ("what", "verdict") else "right")
+    for f in rep.findings:
+        change = f"{f.ratio - 1:+.1%}" if f.ratio != float("inf") else "missing"
+        table.add_row(f.name, f"{f.baseline:.4g}", f"{f.current:.4g}", change, f"{f.noise:.1%}",
+                      f"{f.repeats[0]}/{f.repeats[1]}", "[red]REGRESSION[/]" if f.regression else "ok")
+    err_console.print(table)
+    if junit is not None:
+        atomic_write_text(junit, junit_xml(rep))
+    if json_out:
+        print_json({"tolerance": tol, "ratio_only": ratio_only, "regressions": len(rep.regressions),
+                    "findings": [f.__dict__ for f in rep.findings]})
+    if update_baseline:
+        if current is not None:
+            shutil.copyfile(current, baseline)
+        else:
+            from ..profile.record import save_record
+
+            save_record(cur, baseline)
+        err_console.print(f"baseline {baseline} updated")
+        return
+    if rep.regressions:
+        err_console.print(f"[bold red]{len(rep.regressions)} regression(s)[/] beyond {tol:.0%} and the noise")
+        raise typer.Exit(1)
+    err_console.print("[green]no regression[/]")
