@@ -30,6 +30,29 @@ def _load(path: Path, what: str):
         raise UnusableInput(f"{what}: {e}") from None
 
 
+def _fresh_run(base, ratio_only: bool):
+    """Bench again exactly what the baseline measured: model, batch, seed, sub_group_size and dostune schedule
+    (only ZeRO-Offload and dostune when comparing speedups)."""
+    from ..bench.run import BenchOptions, run_bench
+    from ..optim.schedule import ScheduleConfig
+
+    methods = [m for m, r in base.methods.items() if r.ran]
+    if ratio_only:
+        methods = [m for m in methods if m in ("zero-offload", "dostune")]
+    d, z = base.methods.get("dostune"), base.methods.get("zero-offload")
+    sched = ScheduleConfig.from_ds_config(d.ds_config) if d is not None and d.ds_config else None
+    if sched is not None:
+        sched = sched.model_copy(update={"trace": False})
+    sgs = lambda m: m.ds_config.get("zero_optimization", {}).get("sub_group_size") if m and m.ds_config else None  # noqa: E731
+    opts = BenchOptions(model=base.model, micro_batch=base.micro_batch, seq=base.seq, precision=base.precision,
+                        iters=base.iters, warmup=base.warmup, seed=base.seed, methods=methods, schedule=sched,
+                        sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), node=base.node)
+    from .common import RichProgress
+
+    with RichProgress() as progress:
+        return run_bench(opts, progress)
+
+
 @handle_errors
 def check(
     baseline: Path = typer.Option(..., help="Stored baseline: a `dostune bench` result JSON."),
@@ -55,14 +78,9 @@ def check(
     tol = _fraction(max_regression)
     base = _load(baseline, "baseline")
     if current is None:
-        from ..bench.run import BenchOptions, run_bench
-
-        opts = BenchOptions(model=base.model, micro_batch=base.micro_batch, seq=base.seq, precision=base.precision,
-                            iters=base.iters, warmup=base.warmup, seed=base.seed,
-                            methods=[m for m, r in base.methods.items() if r.ran])
         if run:
             raise DostuneError("--run: give the bench arguments to `dostune bench` and pass its output with --current")
-        cur = run_bench(opts)
+        cur = _fresh_run(base, ratio_only)
     else:
         cur = _load(current, "current")
     rep = compare(base, cur, tol, ratio_only)
