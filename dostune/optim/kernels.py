@@ -190,6 +190,10 @@ class LaneAdam:
             self._opt_id = _next_opt_id()
             self._op.create_adam(self._opt_id, lr, beta1, beta2, eps, weight_decay, adamw, False)
 
+    def cpu_ops(self) -> list:
+        """(C++ op, optimizer id) pairs this lane owns, for replaying the beta-power history."""
+        return [] if self._op is None else [(self._op, self._opt_id)]
+
     def close(self) -> None:
         if self._op is not None:
             self._op.destroy_adam(self._opt_id)

@@ -72,6 +72,8 @@ class _State:
     last_trace: list[Span] = field(default_factory=list)
     last_step_s: float = 0.0
     steps: int = 0
+    # Optimizer step number the C++ Adam beta powers were last advanced to by this process (None: never).
+    beta_step: Optional[int] = None
 
 
 def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
@@ -236,12 +238,40 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         timer_names = {OPTIMIZER_STEP_TIMER}
         self.timers(OPTIMIZER_STEP_TIMER).start()
+        self._dostune_sync_beta_powers()
         t0 = time.perf_counter()
         self._dostune_update(self._combined_scale(scaled_global_grad_norm))
         self._dos.last_step_s = time.perf_counter() - t0
         self._dos.steps += 1
+        self._dos.beta_step = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
+
+    def _dostune_sync_beta_powers(self) -> None:
+        """Make a resumed run's Adam constants bit-equal to an uninterrupted run's.
+
+        DeepSpeed's C++ Adam keeps beta1^t and beta2^t as running float products, but a fresh process (after
+        a checkpoint load) computes them with pow() at its first step, which differs in the last bit at some
+        steps (e.g. beta2=0.999 at t=6), so every later update would drift. Advancing the products one step
+        at a time through the loaded history (empty tensors: no element is touched) restores the exact
+        state an uninterrupted run would have."""
+        dos = self._dos
+        done = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
+        if dos.beta_step == done:
+            return
+        dos.beta_step = done
+        if done == 0:
+            return
+        empty = torch.empty(0, dtype=torch.float32)
+        group = self.optimizer.param_groups[self.sub_group_to_group_id[0]]
+        beta1, beta2 = group["betas"]
+        ops = [(self.optimizer.ds_opt_adam, self.optimizer.opt_id)] + dos.lane_adam.cpu_ops()
+        dos.lane_adam.shadow = type(dos.lane_adam.shadow)(beta1, beta2)
+        for t in range(1, done + 1):
+            for op, opt_id in ops:
+                op.adam_update(opt_id, t, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                               group["bias_correction"], empty, empty, empty, empty)
+            dos.lane_adam.shadow.increment(t, beta1, beta2)
 
     def _combined_scale(self, total_norm):
         # The same expression as DeepSpeed's unscale_and_clip_grads, so both lanes use its exact value.
