@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: 200 steps of MODEL on a local text corpus with a tuned config, checkpointing every 100
-# steps; then a second run resumes from the step-100 checkpoint and must reproduce steps 101-200 exactly.
+# steps; then a second run (deterministic kernels, see `dostune train --help`) resumes from the step-100 checkpoint and must reproduce steps 101-200 exactly.
 #   run(command="bash scripts/device-train-resume.sh", carry=[".whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,10 +11,10 @@ CONFIG=${CONFIG:-results/h100/tune-$MODEL/ds_config.json}
 CORPUS=${CORPUS:-$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
 CK=/tmp/ckpt-$MODEL; rm -rf "$CK"
 echo "corpus: $CORPUS"
-timeout 360 python3 -m dostune train --config "$CONFIG" --model "$MODEL" --steps 200 --seq 1024 --data "$CORPUS" \
+timeout 360 python3 -m dostune train --config "$CONFIG" --model "$MODEL" --steps 200 --seq 1024 --data "$CORPUS" --deterministic \
   --save-dir "$CK" --save-every 100 --log-every 25 --metrics "$OUT/train-full.jsonl" 2>&1 | grep -v Warning | tail -12
 echo 'step100' > "$CK/latest"   # resume from the middle checkpoint
-timeout 240 python3 -m dostune train --config "$CONFIG" --model "$MODEL" --steps 200 --seq 1024 --data "$CORPUS" \
+timeout 300 python3 -m dostune train --config "$CONFIG" --model "$MODEL" --steps 200 --seq 1024 --data "$CORPUS" --deterministic \
   --save-dir "$CK" --resume --log-every 25 --metrics "$OUT/train-resumed.jsonl" 2>&1 | grep -v Warning | tail -6
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -30,13 +30,16 @@ def train(
     metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
                                            "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
     plain_deepspeed: bool = typer.Option(False, help="Ignore the config's dostune section (DeepSpeed's own update)."),
+    deterministic: bool = typer.Option(False, help="Deterministic GPU kernels (slower): needed for a resumed run "
+                                       "to match an uninterrupted one bit for bit on a GPU, where some backward "
+                                       "kernels accumulate in a varying order. On a CPU runs are exact anyway."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
 
     Progress shows loss, tokens/s, iteration time and its forward/backward/step split, and GPU memory.
     Ctrl-C finishes the current step, saves a checkpoint and exits; --resume continues from it with the
-    same batches, so the loss sequence equals an uninterrupted run's. Checkpoints are DeepSpeed's own and
+    same batches, so the loss sequence equals an uninterrupted run's (on a GPU with --deterministic). Checkpoints are DeepSpeed's own and
     load into plain DeepSpeed ZeRO-3 (and vice versa).
 
     Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
@@ -51,7 +54,7 @@ def train(
                           / "metrics.jsonl")
     opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
-                        plain_deepspeed=plain_deepspeed)
+                        plain_deepspeed=plain_deepspeed, deterministic=deterministic)
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
     with progress:

@@ -39,6 +39,15 @@ class TrainOptions:
     log_every: int = 10
     metrics: Optional[Path] = None
     plain_deepspeed: bool = False  # ignore the dostune section
+    deterministic: bool = False  # deterministic GPU kernels: resumed runs then match bit for bit on a GPU too
+
+
+def use_deterministic_kernels() -> None:
+    """Some CUDA backward kernels (embedding, attention) accumulate with atomics, so two identical steps can
+    differ in the last bits of a gradient; a resumed run then drifts from an uninterrupted one however exact
+    the checkpoint is. PyTorch's deterministic mode picks ordered kernels instead, at some speed cost."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first initialises
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 @dataclass
@@ -134,6 +143,8 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
     data = make_data(spec, opts.data, opts.tokenizer, opts.seed)
+    if opts.deterministic:
+        use_deterministic_kernels()
     if opts.plain_deepspeed:
         cfg = {k: v for k, v in cfg.items() if k != "dostune"}
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=True)
