@@ -87,7 +87,6 @@ def deepspeed_config(train: TrainSettings, offload: OffloadSettings, world_size:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,
-        "train_batch_size": train.micro_batch * train.grad_accum * world_size,
         "gradient_clipping": train.clip,
         "optimizer": optimizer,
         "zero_optimization": zero,

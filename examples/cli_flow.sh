@@ -16,7 +16,7 @@ else
 import json
 cfg = json.load(open("runs/tune/gpt2-1.3b/ds_config.json"))
 cfg["zero_optimization"].update(sub_group_size=20000, offload_optimizer={"device": "cpu", "pin_memory": False})
-cfg["train_micro_batch_size_per_gpu"] = cfg["train_batch_size"] = 2
+cfg["train_micro_batch_size_per_gpu"] = 2
 cfg["dostune"].pop("expected_subgroups", None)
 cfg["dostune"].pop("cpu_threads", None)
 json.dump(cfg, open("runs/tune/cpu_demo_config.json", "w"), indent=2)

@@ -43,7 +43,7 @@ def train(
     load into plain DeepSpeed ZeRO-3 (and vice versa).
 
     Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
-      deepspeed --num_gpus 2 -m dostune.train --config ds_config.json --model gpt2-1.3b --steps 200
+      deepspeed --num_gpus 2 --module dostune.train --config ds_config.json --model gpt2-1.3b --steps 200
 
     Example: dostune train --config runs/tune/gpt2-1.3b/ds_config.json --model gpt2-1.3b --steps 200 --data corpus/
     """

@@ -1,4 +1,4 @@
-"""Entry point for DeepSpeed's launcher: `deepspeed --num_gpus N -m dostune.train --config ... --model ...`.
+"""Entry point for DeepSpeed's launcher: `deepspeed --num_gpus N --module dostune.train --config ... --model ...`.
 
 Every rank runs the same `dostune train` command; the launcher sets RANK / LOCAL_RANK / WORLD_SIZE and
 each rank updates its own ZeRO-3 partition with the interleaved optimizer.

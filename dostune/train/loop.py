@@ -78,6 +78,14 @@ class TrainSummary:
 def load_ds_config(path: Path) -> dict:
     cfg = read_json_record(path, "DeepSpeed config")
     ScheduleConfig.from_ds_config(cfg)  # a malformed dostune section fails here, before any work
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps"))
+    if isinstance(tb, int) and isinstance(mb, int) and isinstance(gas, int) and tb != mb * gas * world:
+        raise ConfigError(f"{path}: train_batch_size {tb} != micro-batch {mb} x gradient accumulation {gas} x "
+                          f"{world} GPU(s)",
+                          hint="remove train_batch_size from the config (DeepSpeed derives it from the other two "
+                               "and the number of GPUs), or make it match")
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         raise ConfigError(f"{path}: dostune trains with ZeRO stage 3; set zero_optimization.stage to 3")
@@ -156,9 +164,13 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
             raise DostuneError(f"the checkpoint is already at step {start}, not before --steps {opts.steps}")
         summary.first_step = start
         rank = _rank()
-        if rank == 0 and opts.metrics is not None:
-            Path(opts.metrics).parent.mkdir(parents=True, exist_ok=True)
-            metrics_f = open(opts.metrics, "a")
+        if opts.metrics is not None:
+            # Every rank logs its own step times (and its own micro-batch's loss); rank 0 keeps the plain name.
+            path = Path(opts.metrics)
+            if rank:
+                path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            metrics_f = open(path, "a")
         gas = engine.gradient_accumulation_steps()
         mb = engine.train_micro_batch_size_per_gpu()
         world = int(os.environ.get("WORLD_SIZE", "1"))
