@@ -28,10 +28,20 @@ def _version(value: bool):
         raise typer.Exit()
 
 
+# Measured on the H100 (gpt2-1.3b, tuned schedule): 0.714 s -> 0.660 s per iteration, mostly backward.
+# The interleaved step allocates and frees large staging and gradient buffers every iteration; with the
+# default allocator their segments fragment under the activations and allocations start to retry.
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+
+
 @app.callback()
 def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
                                                  help="Print the version and exit.")):
-    pass
+    """Sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set already (it must be set
+    before CUDA starts; `dostune.initialize` users set it themselves)."""
+    import os
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF_DEFAULT)
 
 
 app.command("profile")(_profile.profile)
