@@ -2,7 +2,7 @@
 # profile -> tune -> train with the CLI. On a machine without a GPU, `dostune tune` falls back to the shipped
 # H100 profile and `dostune train` runs the tiny model on the CPU, so the flow can be tried anywhere.
 set -euo pipefail
-MODEL=${MODEL:-gpt2-1.3b}
+export MODEL=${MODEL:-gpt2-1.3b}
 if nvidia-smi >/dev/null 2>&1; then
   dostune profile --name mynode --output runs/profiles/mynode.json --force
   dostune profile --model "$MODEL" --micro-batch 8 --seq 1024 --name mynode \
@@ -14,7 +14,8 @@ else
   # the tuned schedule's shape on a model that fits a 2-core CPU:
   python - <<'PY'
 import json
-cfg = json.load(open("runs/tune/gpt2-1.3b/ds_config.json"))
+import os
+cfg = json.load(open(f"runs/tune/{os.environ.get('MODEL', 'gpt2-1.3b')}/ds_config.json"))
 cfg["zero_optimization"].update(sub_group_size=20000, offload_optimizer={"device": "cpu", "pin_memory": False})
 cfg["train_micro_batch_size_per_gpu"] = 2
 cfg["dostune"].pop("expected_subgroups", None)

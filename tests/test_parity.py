@@ -17,6 +17,7 @@ SCHEDULES = {
     "every-4th": ScheduleConfig(gpu_fraction=0.25, gpu_placement="spread", staging_buffers=1),
     "first-60pct": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2),
     "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3),
+    "no-prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=False),
 }
 
 
@@ -76,3 +77,38 @@ def test_overflow_steps_are_skipped_and_nothing_corrupted(precision):
     assert torch.isfinite(ours["weights"]).all()
     if precision == "fp16":
         assert ours["loss_scale"] < reference(train, steps=30)["loss_scale"]
+
+
+def test_states_are_prefetched_during_backward_and_released_after_the_step():
+    """The prefetch path must really run before the step (else the parity tests above would not cover it):
+    after backward the first staging slots already hold their subgroups' fp32 params and Adam states."""
+    from dostune.models.registry import loss_of
+    from dostune.train.engine import build_engine
+
+    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE, base_settings
+    from dostune.dsconfig import OffloadSettings, deepspeed_config
+    from dostune.models.registry import resolve_model
+
+    spec = resolve_model(MODEL)
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, trace=True)
+    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(sub_group_size=SUB_GROUP_SIZE,
+                                                                            pin_memory=False, schedule=sched))
+    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    opt = engine.optimizer
+    try:
+        for _ in range(2):  # the second iteration starts from states the first step wrote
+            batch = spec.batch(2, SEQ, torch.Generator().manual_seed(3), engine.device)
+            engine.backward(loss_of(engine(**batch)))
+            firsts = [gs.subgroup for gs in opt.dostune_plan.gpu_slots if gs.waits_for is None]
+            assert sorted(opt._dos.prefetched) == sorted(firsts) == [0, 1]
+            for gs in opt.dostune_plan.gpu_slots[:2]:
+                slot, fp32 = opt._dos.prefetched_slots[gs.slot], opt.fp32_partitioned_groups_flat[gs.subgroup]
+                n, state = fp32.numel(), opt.optimizer.state[fp32]
+                assert torch.equal(slot["p"][:n], fp32.data)
+                assert torch.equal(slot["m"][:n], state["exp_avg"]) and torch.equal(slot["v"][:n], state["exp_avg_sq"])
+            engine.step()
+            assert not opt._dos.prefetched and not opt._dos.prefetched_slots
+            early = [s for s in opt.dostune_last_trace if s.lane == "h2d" and s.subgroup in firsts]
+            assert len(early) == 2 and all(s.start < 0 for s in early)  # before the step began
+    finally:
+        engine.destroy()

@@ -47,16 +47,33 @@ def test_all_cpu_step_by_hand():
 
 def test_single_gpu_subgroup_by_hand():
     n = node()
-    p = simulate_step([1_000_000_000], ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n)
+    p = simulate_step([1_000_000_000], ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False), n)
     expect = 12e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9  # in (alone), kernel, out (alone)
     assert p.lanes_s == pytest.approx(expect)
+
+
+def test_prefetch_during_backward_by_hand():
+    n = node()
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1)
+    # backward long enough: the states are already in, the step is kernel + copy out
+    assert simulate_step([1_000_000_000], sched, n).lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
+    # a 0.1 s backward hides 0.1 s of the 0.24 s copy in
+    short = simulate_step([1_000_000_000], sched, n, prefetch_window_s=0.1).lanes_s
+    assert short == pytest.approx(12e9 / 50e9 - 0.1 + 1e9 / 100e9 + 12e9 / 50e9)
+    # gradients that come from the host still stream in during the step
+    no_kept = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, grads_on_gpu=False)
+    assert simulate_step([1_000_000_000], no_kept, n).lanes_s == pytest.approx(4e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9)
+    # only the first slot's worth is prefetched: the second subgroup waits for the slot and streams in during
+    # the step (copies at the duplex rate while not last, as in the staging test below)
+    two = simulate_step([1_000_000_000] * 2, sched, n).lanes_s
+    assert two == pytest.approx(1e9 / 100e9 + 12e9 / 40e9 + 12e9 / 40e9 + 1e9 / 100e9 + 12e9 / 50e9)
 
 
 def test_staging_slot_reuse_serialises_with_one_buffer():
     n = node()
     sizes = [1_000_000_000] * 3
-    one = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n).lanes_s
-    two = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=2), n).lanes_s
+    one = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False), n).lanes_s
+    two = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=False), n).lanes_s
     assert two < one
     # one slot: three in-kernel-out chains back to back; the first copy in and the last copy out run alone,
     # the other four at the duplex rate

@@ -43,6 +43,9 @@ class ScheduleConfig(BaseModel):
         "GPU, or convert on the CPU and upload half precision"))
     grads_on_gpu: bool = Field(True, description=(
         "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them"))
+    prefetch_states: bool = Field(True, description=(
+        "during backward, stream the first GPU-lane subgroups' fp32 params and Adam states (which backward "
+        "does not change) into their staging slots, as soon as the memory that backward frees has room"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")

@@ -22,7 +22,11 @@ Methods replaced (everything else is DeepSpeed's):
   and epilogue (``_post_step``) are the parent's own helpers called in the parent's order.
 * ``_offload_grad_partition_at_boundary`` - for GPU-lane subgroups with ``grads_on_gpu``, the
   gradient partition is copied into a GPU buffer instead of host memory; the gradient norm is
-  recorded exactly as the parent does. All other subgroups go through the parent.
+  recorded exactly as the parent does. All other subgroups go through the parent. Being called once
+  per parameter as backward finalises gradients, it is also where the GPU lane's state prefetch
+  (``prefetch_states``) advances: the fp32 params and Adam states of the first GPU-lane subgroups do not
+  depend on this step's gradients, so they stream into their staging slots during backward, each slot
+  allocated only once backward has freed as much activation memory as the slot takes.
 
 The object is created by DeepSpeed as a ``DeepSpeedZeroOptimizer_Stage3`` and re-classed by
 :meth:`InterleavedZeroOptimizer.adopt`, so DeepSpeed's engine, checkpointing and config parsing stay
@@ -74,6 +78,15 @@ class _State:
     steps: int = 0
     # Optimizer step number the C++ Adam beta powers were last advanced to by this process (None: never).
     beta_step: Optional[int] = None
+    # States prefetched during backward: slot index -> staging tensors, subgroup -> (start, done) records.
+    prefetched_slots: dict[int, dict] = field(default_factory=dict)
+    prefetched: dict[int, tuple] = field(default_factory=dict)
+    bwd_watermark: Optional[int] = None
+
+    def reset_prefetch(self) -> None:
+        self.prefetched_slots.clear()
+        self.prefetched.clear()
+        self.bwd_watermark = None
 
 
 def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
@@ -201,6 +214,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # Replaces DeepSpeed's method for GPU-lane subgroups only: their gradient stays on the GPU, so
         # the update does not stream it back in. The norm bookkeeping is the parent's.
         dos = getattr(self, "_dos", None)
+        if dos is not None and dos.schedule.prefetch_states:
+            self._dostune_prefetch_tick()
         i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
         if dos is None or not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
             return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
@@ -213,6 +228,51 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.device_grads[i] = buf
         buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(
             grad_buffer.to(device=dos.lane_device, dtype=torch.float32), non_blocking=True)
+
+    def _dostune_slot_width(self) -> int:
+        numel = self.fp16_partitioned_groups_flat_numel
+        return max(int(numel[s.subgroup]) for s in self._dos.plan.gpu_slots)
+
+    def _dostune_new_slot(self, width: int, need_grads: bool) -> dict:
+        dev, q = self._dos.lane_device, self._dos.queues
+        with q.on("compute"):
+            # Allocated on the stream that uses them; freed at the end of the step after the lanes drain.
+            slot = {"p": torch.empty(width, device=dev), "m": torch.empty(width, device=dev),
+                    "v": torch.empty(width, device=dev),
+                    "g": torch.empty(width, device=dev) if need_grads else None}
+        slot["ready"] = q.record("compute", timing=False)
+        return slot
+
+    def _dostune_prefetch_tick(self) -> None:
+        """Start streaming the next first-use staging slot's states in, if backward's freed memory allows.
+        The watermark is the memory allocated when backward first finalised a gradient (about the
+        iteration's peak), so prefetching never raises the peak."""
+        dos = self._dos
+        q = dos.queues
+        firsts = [gs for gs in dos.plan.gpu_slots if gs.waits_for is None]
+        if len(dos.prefetched_slots) >= len(firsts):
+            return
+        need_grads = not dos.schedule.grads_on_gpu
+        width = self._dostune_slot_width()
+        if q.cuda:
+            allocated = torch.cuda.memory_allocated(dos.lane_device)
+            if dos.bwd_watermark is None:
+                dos.bwd_watermark = allocated
+            if allocated + width * 4 * (4 if need_grads else 3) > dos.bwd_watermark:
+                return
+        gs = firsts[len(dos.prefetched_slots)]
+        slot = self._dostune_new_slot(width, need_grads)
+        dos.prefetched_slots[gs.slot] = slot
+        i, n = gs.subgroup, int(self.fp16_partitioned_groups_flat_numel[gs.subgroup])
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[fp32]
+        with torch.no_grad(), q.on("h2d"):
+            q.wait("h2d", slot["ready"])
+            t_in = q.record("h2d")
+            slot["p"][:n].copy_(fp32.data, non_blocking=True)
+            slot["m"][:n].copy_(state["exp_avg"], non_blocking=True)
+            slot["v"][:n].copy_(state["exp_avg_sq"], non_blocking=True)
+            dos.prefetched[i] = (t_in, q.record("h2d"))
 
     # ------------------------------------------------------------------ step
     def step(self, closure=None):
@@ -233,6 +293,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             self._dos.device_grads.clear()
+            self._dos.reset_prefetch()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
 
@@ -308,6 +369,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         q.join()
         del slots  # safe: the lanes' streams are drained and the default stream waits on them
         dos.device_grads.clear()
+        dos.reset_prefetch()
         if sched.trace:
             dos.last_trace = self._dostune_resolve_trace(trace, start_ev, t_host0)
 
@@ -327,17 +389,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if not dos.plan.gpu_slots:
             return []
         numel = self.fp16_partitioned_groups_flat_numel
-        width = max(int(numel[s.subgroup]) for s in dos.plan.gpu_slots)
+        width = self._dostune_slot_width()
         need_grads = not sched.grads_on_gpu
         dev = dos.lane_device
-        slots = []
-        with q.on("compute"):
-            # Allocated on the stream that uses them; freed at the end of the step after the lanes drain.
-            for _ in range(min(sched.staging_buffers, len(dos.plan.gpu_slots))):
-                slots.append({"p": torch.empty(width, device=dev), "m": torch.empty(width, device=dev),
-                              "v": torch.empty(width, device=dev), "step": torch.empty((), device=dev),
-                              "g": torch.empty(width, device=dev) if need_grads else None})
-        slot_ready = [q.record("compute", timing=False) for _ in slots]
+        slots = [dos.prefetched_slots.get(k) or self._dostune_new_slot(width, need_grads)
+                 for k in range(min(sched.staging_buffers, len(dos.plan.gpu_slots)))]
+        slot_ready = [slot["ready"] for slot in slots]
         d2h_done: dict[int, object] = {}
         scalars = self._dostune_step_scalars()
         for gs in dos.plan.gpu_slots:
@@ -345,13 +402,18 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             fp32 = self.fp32_partitioned_groups_flat[i]
             state = self.optimizer.state[fp32]
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
+            early = dos.prefetched.get(i) if gs.waits_for is None else None
             with q.on("h2d"):
                 q.wait("h2d", slot_ready[gs.slot] if gs.waits_for is None else d2h_done[gs.waits_for])
-                t_in = q.record("h2d")
-                p.copy_(fp32.data, non_blocking=True)
-                m.copy_(state["exp_avg"], non_blocking=True)
-                v.copy_(state["exp_avg_sq"], non_blocking=True)
+                if early is not None:  # params and states came in during backward
+                    trace.append(("h2d", i, *early))
+                else:
+                    t_in = q.record("h2d")
+                    p.copy_(fp32.data, non_blocking=True)
+                    m.copy_(state["exp_avg"], non_blocking=True)
+                    v.copy_(state["exp_avg_sq"], non_blocking=True)
                 if need_grads:
+                    t_in = q.record("h2d") if early is not None else t_in
                     slot["g"][:n].copy_(fp32.grad, non_blocking=True)
                 h2d_done = q.record("h2d")
             g = slot["g"][:n] if need_grads else dos.device_grads.get(i)
@@ -372,7 +434,9 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 state["exp_avg"].copy_(m, non_blocking=True)
                 state["exp_avg_sq"].copy_(v, non_blocking=True)
                 d2h_done[i] = q.record("d2h")
-            trace += [("h2d", i, t_in, h2d_done), ("gpu", i, t_c, compute_done), ("d2h", i, t_out, d2h_done[i])]
+            if early is None or need_grads:
+                trace.append(("h2d", i, t_in, h2d_done))
+            trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, d2h_done[i])]
         return slots
 
     def _dostune_step_scalars(self) -> dict[int, AdamScalars]:

@@ -99,7 +99,10 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
-                  iterations: int = 4) -> StepPrediction:
+                  iterations: int = 4, prefetch_window_s: Optional[float] = None) -> StepPrediction:
+    """``prefetch_window_s``: how long backward runs (None: unknown, taken as long enough). With
+    ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
+    in during that window, so the step's H2D for them carries at most the gradients."""
     threads = sched.cpu_threads or inp.default_threads
     if threads not in inp.cpu_adam:
         threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
@@ -114,13 +117,20 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     spans: list[SimSpan] = []
     h2d_free = comp_free = d2h_free = 0.0
     d2h_end: list[float] = []
+    window = float("inf") if prefetch_window_s is None else prefetch_window_s
     for k, i in enumerate(gpu):
         s = sizes[i]
         ready = d2h_end[k - nbuf] if k >= nbuf else 0.0
         start = max(h2d_free, ready)
         rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
-        end = start + rate.t(in_bytes * s)
-        spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
+        copy = rate.t(in_bytes * s)
+        if sched.prefetch_states and k < nbuf:  # states already (partly) in from backward's idle H2D
+            hidden = min(inp.h2d.t(STATE_BYTES * s), window)
+            window -= hidden
+            copy = max(copy - hidden, rate.t((in_bytes - STATE_BYTES) * s) if in_bytes > STATE_BYTES else 0.0)
+        end = start + copy
+        if end > start:
+            spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
         h2d_free = end
         c0 = max(end, comp_free)
         comp_free = c0 + inp.gpu_adam.t(s)
@@ -325,7 +335,7 @@ class Prediction:
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
             overhead_s: float, grad_alloc: Optional[Sequence[float]] = None) -> Prediction:
     return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes),
-                      step=simulate_step(sizes, sched, node, overhead_s), memory=predict_memory(sizes, sched, m, grad_alloc),
+                      step=simulate_step(sizes, sched, node, overhead_s, prefetch_window_s=m.bwd_s), memory=predict_memory(sizes, sched, m, grad_alloc),
                       fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
 
