@@ -17,7 +17,8 @@ SCHEDULES = {
     "every-4th": ScheduleConfig(gpu_fraction=0.25, gpu_placement="spread", staging_buffers=1),
     "first-60pct": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2),
     "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3),
-    "no-prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=False),
+    "prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=True),
+    "prefetch-all-gpu": ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True),
 }
 
 
@@ -90,7 +91,7 @@ def test_states_are_prefetched_during_backward_and_released_after_the_step():
     from dostune.models.registry import resolve_model
 
     spec = resolve_model(MODEL)
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, trace=True)
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True, trace=True)
     cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(sub_group_size=SUB_GROUP_SIZE,
                                                                             pin_memory=False, schedule=sched))
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)

@@ -54,14 +54,14 @@ def test_single_gpu_subgroup_by_hand():
 
 def test_prefetch_during_backward_by_hand():
     n = node()
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1)
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=True)
     # backward long enough: the states are already in, the step is kernel + copy out
     assert simulate_step([1_000_000_000], sched, n).lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
     # a 0.1 s backward hides 0.1 s of the 0.24 s copy in
     short = simulate_step([1_000_000_000], sched, n, prefetch_window_s=0.1).lanes_s
     assert short == pytest.approx(12e9 / 50e9 - 0.1 + 1e9 / 100e9 + 12e9 / 50e9)
     # gradients that come from the host still stream in during the step
-    no_kept = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, grads_on_gpu=False)
+    no_kept = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, grads_on_gpu=False, prefetch_states=True)
     assert simulate_step([1_000_000_000], no_kept, n).lanes_s == pytest.approx(4e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9)
     # only the first slot's worth is prefetched: the second subgroup waits for the slot and streams in during
     # the step (copies at the duplex rate while not last, as in the staging test below)
