@@ -9,6 +9,9 @@
 #   tune:MODEL[:ARGS]   dostune tune with $OUT/node.json if this call profiled, else the shipped profile
 #                       -> $OUT/tune-MODEL/{ds_config.json,tune.json,timeline.png}
 #   model:MODEL[:ARGS]  dostune profile --model MODEL (micro-batch 8, seq 1024) -> $OUT/model-MODEL.{json,png}
+#   check:MODEL         dostune check against the committed H100 baseline results/h100/bench-MODEL.json,
+#                       by dostune's speedup over ZeRO-Offload (the lent H100s differ in absolute speed)
+#                       -> $OUT/check-MODEL.{xml,json}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -39,6 +42,11 @@ for step in "$@"; do
       [ "$spec" != "$model" ] && args=$(echo "${spec#*:}" | tr '+' ' ')
       timeout 300 python3 -m dostune profile --model "$model" --micro-batch 8 --seq 1024 --name h100-pcie5 \
         --output "$OUT/model-$model.json" --plot "$OUT/model-$model.png" --force $args 2>&1 | tail -16 ;;
+    check:*)
+      model=${step#check:}
+      timeout 400 python3 -m dostune check --baseline "results/h100/bench-$model.json" --ratio-only \
+        --max-regression 15% --junit "$OUT/check-$model.xml" 2>&1 | tail -20
+      echo "check exit code: ${PIPESTATUS[0]}" ;;
     *) echo "unknown step $step" ;;
   esac
 done
