@@ -100,7 +100,7 @@ def test_states_are_prefetched_during_backward_and_released_after_the_step():
         for _ in range(2):  # the second iteration starts from states the first step wrote
             batch = spec.batch(2, SEQ, torch.Generator().manual_seed(3), engine.device)
             engine.backward(loss_of(engine(**batch)))
-            firsts = [gs.subgroup for gs in opt.dostune_plan.gpu_slots if gs.waits_for is None]
+            firsts = [gs.subgroup for gs in opt.dostune_plan.first_fills]
             assert sorted(opt._dos.prefetched) == sorted(firsts) == [0, 1]
             for gs in opt.dostune_plan.gpu_slots[:2]:
                 slot, fp32 = opt._dos.prefetched_slots[gs.slot], opt.fp32_partitioned_groups_flat[gs.subgroup]

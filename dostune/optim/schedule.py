@@ -111,6 +111,11 @@ class Plan:
     def gpu_subgroups(self) -> list[int]:
         return [s.subgroup for s in self.gpu_slots]
 
+    @property
+    def first_fills(self) -> list[GpuSlot]:
+        """The GPU subgroups that fill a fresh staging slot (the ones whose states can be prefetched)."""
+        return [s for s in self.gpu_slots if s.waits_for is None]
+
 
 def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)

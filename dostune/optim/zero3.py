@@ -249,7 +249,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         iteration's peak), so prefetching never raises the peak."""
         dos = self._dos
         q = dos.queues
-        firsts = [gs for gs in dos.plan.gpu_slots if gs.waits_for is None]
+        firsts = dos.plan.first_fills
         if len(dos.prefetched_slots) >= len(firsts):
             return
         need_grads = not dos.schedule.grads_on_gpu
