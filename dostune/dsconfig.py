@@ -54,7 +54,7 @@ class OffloadSettings:
     extra_zero: dict = field(default_factory=dict)
 
 
-def deepspeed_config(train: TrainSettings, offload: OffloadSettings, world_size: int = 1) -> dict:
+def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
     train.validate()
     if not 0.0 <= offload.ratio <= 1.0:
         raise ConfigError(f"offload ratio must be in [0, 1], got {offload.ratio}")

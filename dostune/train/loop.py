@@ -39,13 +39,14 @@ class TrainOptions:
     log_every: int = 10
     metrics: Optional[Path] = None
     plain_deepspeed: bool = False  # ignore the dostune section
-    deterministic: bool = False  # deterministic GPU kernels: resumed runs then match bit for bit on a GPU too
+    deterministic: bool = False  # PyTorch's deterministic kernels: fewer run-to-run differences on a GPU
 
 
 def use_deterministic_kernels() -> None:
     """Some CUDA backward kernels (embedding, attention) accumulate with atomics, so two identical steps can
     differ in the last bits of a gradient; a resumed run then drifts from an uninterrupted one however exact
-    the checkpoint is. PyTorch's deterministic mode picks ordered kernels instead, at some speed cost."""
+    the checkpoint is. PyTorch's deterministic mode picks ordered kernels instead, at some speed cost (it does
+    not cover everything: on the H100 one cuBLAS weight-gradient GEMM still varied)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first initialises
     torch.use_deterministic_algorithms(True, warn_only=True)
 
