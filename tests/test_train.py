@@ -139,6 +139,11 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "stage2.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match="stage 3"):
         train(opts(tmp_path / "stage2.json"))
+    fixed = json.loads(write_config(tmp_path).read_text())
+    fixed["train_batch_size"] = 99  # pinned for another GPU count
+    (tmp_path / "batch.json").write_text(json.dumps(fixed))
+    with pytest.raises(ConfigError, match=r"train_batch_size 99 != micro-batch 2 x gradient accumulation 1 x 1"):
+        train(opts(tmp_path / "batch.json"))
 
 
 def test_subgroup_count_mismatch(tmp_path):
@@ -161,7 +166,7 @@ def test_staging_larger_than_the_gpu_is_refused():
 
 def test_cli_train_help_mentions_the_launcher():
     r = CliRunner().invoke(app, ["train", "--help"])
-    assert r.exit_code == 0 and "deepspeed --num_gpus" in r.stdout
+    assert r.exit_code == 0 and "deepspeed --num_gpus 2 --module dostune.train" in " ".join(r.stdout.split())
 
 
 def test_two_ranks_through_deepspeeds_launcher(tmp_path):
