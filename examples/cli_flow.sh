@@ -2,6 +2,7 @@
 # profile -> tune -> train with the CLI. On a machine without a GPU, `dostune tune` falls back to the shipped
 # H100 profile and `dostune train` runs the tiny model on the CPU, so the flow can be tried anywhere.
 set -euo pipefail
+rm -rf runs/ckpt runs/ckpt-demo  # this demo's own checkpoints: `dostune train` refuses to overwrite a run
 export MODEL=${MODEL:-gpt2-1.3b}
 if nvidia-smi >/dev/null 2>&1; then
   dostune profile --name mynode --output runs/profiles/mynode.json --force

@@ -127,6 +127,16 @@ def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     assert _tree_hash(tmp_path / "ckpt") == before
 
 
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
+    cfg = write_config(tmp_path)
+    train(opts(cfg, tmp_path / "ckpt", steps=2))
+    before = _tree_hash(tmp_path / "ckpt")
+    with pytest.raises(DostuneError, match=r"already holds checkpoints \(latest: step2\)") as e:
+        train(opts(cfg, tmp_path / "ckpt", steps=3))
+    assert "--resume" in e.value.hint
+    assert _tree_hash(tmp_path / "ckpt") == before
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(DostuneError, match="does not exist"):
         train(opts(tmp_path / "missing.json"))

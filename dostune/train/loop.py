@@ -147,6 +147,11 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
         raise DostuneError("--resume needs --save-dir (where the checkpoints are)")
+    if not opts.resume and opts.save_dir is not None and (Path(opts.save_dir) / "latest").exists():
+        # A fresh run would overwrite the step tags of an earlier one and mix their histories.
+        latest = (Path(opts.save_dir) / "latest").read_text().strip()
+        raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as they are",
+                           hint="pass --resume to continue that run, or choose another --save-dir")
     cfg = load_ds_config(Path(opts.config))
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
@@ -171,7 +176,7 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
             if rank:
                 path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            metrics_f = open(path, "a")
+            metrics_f = open(path, "a" if opts.resume else "w")  # a resumed run continues its file
         gas = engine.gradient_accumulation_steps()
         mb = engine.train_micro_batch_size_per_gpu()
         world = int(os.environ.get("WORLD_SIZE", "1"))
