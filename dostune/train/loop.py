@@ -43,12 +43,13 @@ class TrainOptions:
 
 
 def use_deterministic_kernels() -> None:
-    """Some CUDA backward kernels (embedding, attention) accumulate with atomics, so two identical steps can
-    differ in the last bits of a gradient; a resumed run then drifts from an uninterrupted one however exact
-    the checkpoint is. PyTorch's deterministic mode picks ordered kernels instead, at some speed cost (it does
-    not cover everything: on the H100 one cuBLAS weight-gradient GEMM still varied)."""
+    """Some CUDA backward kernels (embedding, flash attention's dq) accumulate with atomics, so two identical
+    steps can differ in the last bits of a gradient; a resumed run then drifts from an uninterrupted one however
+    exact the checkpoint is. PyTorch's deterministic mode picks ordered kernels instead, at some speed cost.
+    Strict mode on purpose: with warn_only=True PyTorch merely warns about flash attention's backward and keeps
+    its racy kernel (that is what left one qkv weight gradient varying on the H100)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first initialises
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
 
 
 @dataclass
