@@ -28,16 +28,19 @@ def overflow_at(steps: tuple[int, ...]):
 
 
 def run(train: TrainSettings, schedule: ScheduleConfig | None, steps: int = STEPS, overflow_steps: tuple[int, ...] = (),
-        pin_memory: bool = False):
+        pin_memory: bool = False, adjust=None):
     spec = resolve_model(MODEL)
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=SUB_GROUP_SIZE, pin_memory=pin_memory,
                                                   schedule=schedule))
     engine = build_engine(spec, cfg, seed=0, use_dostune=schedule is not None)
+    if adjust is not None:
+        adjust(engine.optimizer)
     losses = train_steps(engine, spec, steps, seq=SEQ, seed=1,
                          before_backward=overflow_at(overflow_steps) if overflow_steps else None)
     out = {"weights": master_weights(engine), "losses": losses, "loss_scale": engine.optimizer.loss_scale,
            "type": type(engine.optimizer).__name__, "subgroups": len(engine.optimizer.fp16_groups),
-           "global_steps": engine.global_steps, "skipped": engine.skipped_steps}
+           "global_steps": engine.global_steps, "skipped": engine.skipped_steps,
+           "overlap": getattr(engine.optimizer, "dostune_overlap_stats", None)}
     engine.destroy()
     return out
 

@@ -19,6 +19,8 @@ SCHEDULES = {
     "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3),
     "prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=True),
     "prefetch-all-gpu": ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True),
+    "overlap": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True),
+    "overlap-all-cpu": ScheduleConfig(gpu_fraction=0.0, overlap_backward=True, backward_cpu_threads=1),
 }
 
 
@@ -78,6 +80,44 @@ def test_overflow_steps_are_skipped_and_nothing_corrupted(precision):
     assert torch.isfinite(ours["weights"]).all()
     if precision == "fp16":
         assert ours["loss_scale"] < reference(train, steps=30)["loss_scale"]
+
+
+def no_partial_norm_cutoff(opt):
+    opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+
+
+@pytest.mark.slow
+def test_overlap_commits_speculative_updates_when_clipping_does_not_trigger():
+    train = base_settings(precision="bf16", clip=0.0)
+    ours = run(train, SCHEDULES["overlap"], steps=30)
+    check(ours, reference(train, steps=30))
+    st = ours["overlap"]
+    assert st["steps"] == 30 and st["speculative"] == st["committed"] == 30 * 3 and st["redone"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cutoff", [True, False])
+def test_overlap_recomputes_when_clipping_triggers(cutoff):
+    train = base_settings(precision="bf16", clip=0.05)  # far below these gradient norms: clips every step
+    ours = run(train, SCHEDULES["overlap"], steps=30, adjust=None if cutoff else no_partial_norm_cutoff)
+    check(ours, reference(train, steps=30))
+    st = ours["overlap"]
+    assert st["committed"] == 30 * 3
+    if cutoff:  # the first ready subgroup's norm already exceeds 0.05: nothing is wasted
+        assert st["speculative"] == st["redone"] == 0
+    else:
+        assert st["speculative"] == st["redone"] == 30 * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_overlap_overflow_steps_are_skipped_and_restored(precision):
+    train = base_settings(precision=precision)
+    ref = reference(train, steps=30, overflow_steps=(5, 6))
+    ours = run(train, SCHEDULES["overlap"], steps=30, overflow_steps=(5, 6), adjust=no_partial_norm_cutoff)
+    check(ours, ref)
+    assert ours["skipped"] == ref["skipped"] == 2 and ours["loss_scale"] == ref["loss_scale"]
+    assert ours["overlap"]["committed"] == (30 - 2) * 3
 
 
 def test_states_are_prefetched_during_backward_and_released_after_the_step():

@@ -48,6 +48,13 @@ class ScheduleConfig(BaseModel):
         "does not change) into their staging slots, as soon as the memory that backward frees has room. "
         "Off by default: on the H100 with gpt2-1.3b it saved 15 ms of step but slowed backward by 90 ms "
         "(its H2D copies compete with DeepSpeed's own gradient traffic); with gpt2-2.7b backward did not slow"))
+    overlap_backward: bool = Field(False, description=(
+        "update CPU-lane subgroups during backward, each as soon as its gradients are final (the last layers "
+        "first), into shadow buffers that the step commits once the global gradient norm shows no clipping and "
+        "no overflow (else they are recomputed exactly). Costs 12 bytes of host memory per CPU-lane parameter"))
+    backward_cpu_threads: Optional[int] = Field(None, ge=1, description=(
+        "CPU Adam threads while backward still runs (default: one fewer than cpu_threads, leaving a core to "
+        "backward's own host work)"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")

@@ -28,6 +28,10 @@ Methods replaced (everything else is DeepSpeed's):
   depend on this step's gradients, so they stream into their staging slots during backward, each slot
   allocated only once backward has freed as much activation memory as the slot takes.
 
+With ``overlap_backward`` the CPU lane runs during backward instead (see ``overlap.py``): the same
+``_offload_grad_partition_at_boundary`` override counts each CPU-lane subgroup's finalised parameters and
+hands the subgroup to a worker thread once all are in; ``step`` then commits or recomputes its results.
+
 The object is created by DeepSpeed as a ``DeepSpeedZeroOptimizer_Stage3`` and re-classed by
 :meth:`InterleavedZeroOptimizer.adopt`, so DeepSpeed's engine, checkpointing and config parsing stay
 untouched.
@@ -39,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
@@ -46,6 +51,7 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOpt
 
 from ..errors import ConfigError
 from .kernels import AdamScalars, LaneAdam
+from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers
 from .pinned import PinRegistry
 from .queues import Queues
 from .schedule import GPU, Plan, ScheduleConfig, make_plan
@@ -82,6 +88,13 @@ class _State:
     prefetched_slots: dict[int, dict] = field(default_factory=dict)
     prefetched: dict[int, tuple] = field(default_factory=dict)
     bwd_watermark: Optional[int] = None
+    # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
+    # rank), the ids finalised so far this backward, and the running squared gradient norm.
+    overlap: Optional[BackwardOverlap] = None
+    overlap_pids: dict[int, frozenset] = field(default_factory=dict)
+    overlap_seen: dict[int, set] = field(default_factory=dict)
+    overlap_partial: object = None
+    overlap_stats: dict = field(default_factory=lambda: {"steps": 0, "speculative": 0, "redone": 0, "committed": 0})
 
     def reset_prefetch(self) -> None:
         self.prefetched_slots.clear()
@@ -175,6 +188,34 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                            gpu_set=frozenset(plan.gpu_subgroups))
         for i in range(len(self.fp16_groups)):
             self._dostune_adopt_subgroup_state(i)
+        if schedule.overlap_backward and plan.cpu_order:
+            self._dostune_init_overlap(lane_device)
+
+    def _dostune_init_overlap(self, lane_device: torch.device) -> None:
+        dos = self._dos
+        for i in dos.plan.cpu_order:
+            # The same test DeepSpeed's partition_grads applies: a parameter whose partition on this rank is
+            # empty never reaches the boundary hook.
+            dos.overlap_pids[i] = frozenset(
+                self.get_param_id(p) for p in self.fp16_groups[i]
+                if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel)
+            dos.overlap_seen[i] = set()
+        threads = dos.schedule.cpu_threads or torch.get_num_threads()
+        bwd_threads = dos.schedule.backward_cpu_threads or max(1, threads - 1)
+        cpu_set = frozenset(dos.plan.cpu_order)
+
+        def scalars():
+            self._dostune_sync_beta_powers()
+            return self._dostune_step_scalars(cpu_set)
+
+        dos.overlap = BackwardOverlap(dos.plan.cpu_order, self._dostune_subgroup_io, scalars, lane_device,
+                                      dos.pins.pin, bwd_threads, threads)
+
+    def _dostune_subgroup_io(self, i: int) -> SubgroupIO:
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[fp32]
+        return SubgroupIO(fp32.data, fp32.grad, state["exp_avg"], state["exp_avg_sq"],
+                          self.fp16_partitioned_groups_flat[i])
 
     def _dostune_adopt_subgroup_state(self, i: int) -> None:
         """Create Adam state up front (DeepSpeedCPUAdam creates it lazily, pageable) and page-lock the
@@ -193,6 +234,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def destroy(self):
         if hasattr(self, "_dos"):
+            if self._dos.overlap is not None:
+                self._dos.overlap.close()
             self._dos.pins.close()
             self._dos.lane_adam.close()
         super().destroy()
@@ -209,6 +252,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def dostune_last_trace(self) -> list[Span]:
         return list(self._dos.last_trace)
 
+    @property
+    def dostune_overlap_stats(self) -> dict:
+        """overlap_backward counters since start: steps, subgroups updated speculatively during backward,
+        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed."""
+        return dict(self._dos.overlap_stats)
+
     # ------------------------------------------------------ gradient routing
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
         # Replaces DeepSpeed's method for GPU-lane subgroups only: their gradient stays on the GPU, so
@@ -218,8 +267,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dostune_prefetch_tick()
         i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
         if dos is None or not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
-            return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
-                                                               offload_fp32_offsets)
+            super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
+                                                        offload_fp32_offsets)
+            if dos is not None and dos.overlap is not None and i in dos.overlap_seen:
+                self._dostune_grad_final(i, self.get_param_id(param))
+            return
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
         buf = dos.device_grads.get(i)
         if buf is None:
@@ -228,6 +280,57 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.device_grads[i] = buf
         buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(
             grad_buffer.to(device=dos.lane_device, dtype=torch.float32), non_blocking=True)
+
+    def _dostune_grad_final(self, i: int, pid: int) -> None:
+        """Hand CPU-lane subgroup i to the worker once its last parameter's gradient has been copied out."""
+        dos = self._dos
+        seen = dos.overlap_seen[i]
+        seen.add(pid)
+        if len(seen) != len(dos.overlap_pids[i]):
+            return
+        ov = dos.overlap
+        if not ov.active:
+            spec = ov.spec_factor(float(self.loss_scale))
+            ov.open(spec, float(self.loss_scale), float(self.clip_grad))
+        # Squared norms as DeepSpeed records them for its global norm, summed on the stream that made them.
+        sq = torch.stack([self.norm_for_param_grads[p] for p in dos.overlap_pids[i]]).double().pow(2).sum()
+        dos.overlap_partial = sq if dos.overlap_partial is None else dos.overlap_partial + sq
+        if dos.queues.cuda:
+            host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            host.copy_(dos.overlap_partial, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()  # after DeepSpeed's non-blocking gradient copies into host memory
+        else:
+            host, event = dos.overlap_partial.clone(), None
+        ov.ready(i, event, host)
+
+    def _dostune_finish_overlap(self, inv, trace: list) -> None:
+        """The step's half of overlap_backward: hand the worker the real factor, wait for the CPU lane, then
+        swap the committed subgroups' shadow buffers in (``inv`` None: the step is skipped)."""
+        dos = self._dos
+        inv_f = None if inv is None else float(np.float32(float(inv)))
+        commit = inv_f is not None and inv_f == dos.overlap.spec_inv
+        out: StepOutcome = dos.overlap.finish(inv_f, commit)
+        for i in out.committed:
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            state = self.optimizer.state[fp32]
+            new = dos.overlap.shadow(i)
+            dos.overlap.set_shadow(i, Buffers(fp32.data, state["exp_avg"], state["exp_avg_sq"]))
+            fp32.data, state["exp_avg"], state["exp_avg_sq"] = new.p, new.m, new.v
+            state["step"] += 1  # what DeepSpeedCPUAdam.step does before its kernel call
+        st = dos.overlap_stats
+        st["steps"] += 1
+        st["speculative"] += out.speculative
+        st["redone"] += out.redone
+        st["committed"] += len(out.committed)
+        trace += [(lane, i, a, b) for lane, i, a, b in out.spans]
+        self._dostune_reset_overlap()
+
+    def _dostune_reset_overlap(self) -> None:
+        dos = self._dos
+        for seen in dos.overlap_seen.values():
+            seen.clear()
+        dos.overlap_partial = None
 
     def _dostune_slot_width(self) -> int:
         numel = self.fp16_partitioned_groups_flat_numel
@@ -294,6 +397,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._loss_scale_update_and_overflow_cleanup():
             self._dos.device_grads.clear()
             self._dos.reset_prefetch()
+            if self._dos.overlap is not None:
+                self._dostune_finish_overlap(None, [])
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
 
@@ -356,14 +461,19 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for i in range(len(self.fp16_groups)):  # keep host state pinned after a checkpoint load replaced it
             self._dostune_check_pinned(i)
 
+        if dos.overlap is not None:
+            dos.overlap.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
         slots = self._dostune_queue_gpu_lane(inv_f, trace)
-        prev_threads = torch.get_num_threads()
-        if sched.cpu_threads:
-            torch.set_num_threads(sched.cpu_threads)
-        try:
-            self._dostune_run_cpu_lane(inv, trace)
-        finally:
-            torch.set_num_threads(prev_threads)
+        if dos.overlap is not None:
+            self._dostune_finish_overlap(inv, trace)
+        else:
+            prev_threads = torch.get_num_threads()
+            if sched.cpu_threads:
+                torch.set_num_threads(sched.cpu_threads)
+            try:
+                self._dostune_run_cpu_lane(inv, trace)
+            finally:
+                torch.set_num_threads(prev_threads)
         for i in range(len(self.fp16_groups)):
             self._unflatten_partitioned_parameters(i)
         q.join()
@@ -439,16 +549,18 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, d2h_done[i])]
         return slots
 
-    def _dostune_step_scalars(self) -> dict[int, AdamScalars]:
-        """The float constants DeepSpeed's C++ Adam would use for each GPU-lane subgroup this step: replay its
-        IncrementStep over all subgroups in DeepSpeed's order (step numbers after this step's increment)."""
+    def _dostune_step_scalars(self, which: Optional[frozenset] = None) -> dict[int, AdamScalars]:
+        """The float constants DeepSpeed's C++ Adam would use for each subgroup in ``which`` (default: the GPU
+        lane's) this step: replay its IncrementStep over all subgroups in DeepSpeed's order (step numbers
+        after this step's increment). Idempotent within a step."""
         dos = self._dos
+        which = dos.gpu_set if which is None else which
         shadow, out = dos.lane_adam.shadow, {}
         for i in range(len(self.fp16_groups)):
             group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
             step = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] + 1
             shadow.increment(step, *group["betas"])
-            if i in dos.gpu_set:
+            if i in which:
                 out[i] = shadow.scalars(group["lr"], group["eps"], group["weight_decay"], group["bias_correction"],
                                         self.optimizer.adam_w_mode)
         return out

@@ -1,0 +1,264 @@
+"""The CPU lane during backward (``overlap_backward``): each CPU-lane subgroup is updated as soon as
+backward has finalised all of its gradients, instead of after backward.
+
+Exactness. The update needs the combined unscale/clip factor, and the step must be skipped on an
+invalid gradient norm; both depend on the global gradient norm, known only when backward ends. So an
+update started during backward is speculative: it assumes the factor is 1/loss_scale (no clipping) and
+writes the new fp32 params and Adam states into *shadow* buffers with dostune's out-of-place CPU Adam
+(bit-identical to DeepSpeedCPUAdam), leaving the live state untouched. At the step, the global norm
+decides:
+
+* clipping did not trigger and the norm is valid: the speculative results are exactly what the
+  non-overlapped optimizer computes; committing swaps shadow and live buffers (no copy);
+* clipping triggered: every speculative subgroup is recomputed from the untouched live state with the
+  real factor (the cost: that subgroup's CPU Adam runs twice, once hidden under backward);
+* the norm is invalid (inf/nan): nothing is committed and the half-precision params uploaded during
+  backward are restored from the live fp32 params; the step is skipped as DeepSpeed skips it.
+
+To waste little when clipping does trigger, each subgroup's squared gradient norm is added to a running
+sum as it becomes ready; once that partial norm alone exceeds the clipping threshold (the final norm can
+only be larger), speculation stops and the remaining subgroups wait for the real factor.
+
+The worker is a Python thread whose CPU Adam runs in C with the GIL released (ctypes), so backward's own
+hooks keep running. The new half-precision params are produced by the same pass and uploaded on a
+low-priority CUDA stream as each subgroup finishes.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from . import cpu_kernel
+from .kernels import AdamScalars
+
+
+@dataclass
+class Buffers:
+    p: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class SubgroupIO:
+    """What the worker needs of one CPU-lane subgroup, read fresh each step (checkpoint loads replace it)."""
+
+    param: torch.Tensor  # live fp32 params (flat)
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    half: torch.Tensor  # the ZeRO-3 half-precision partition on the device
+
+
+@dataclass
+class StepOutcome:
+    committed: list[int] = field(default_factory=list)  # shadows now hold the new state: swap them in
+    speculative: int = 0  # subgroups updated during backward
+    redone: int = 0  # of those, recomputed with the real clipping factor
+    spans: list = field(default_factory=list)  # ("cpu"|"up", subgroup, t0, t1) host times
+
+
+class BackwardOverlap:
+    def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
+                 scalars: Callable[[], dict[int, AdamScalars]], device: torch.device, pin: Callable,
+                 threads_backward: int, threads_step: int):
+        self.subgroups = list(subgroups)
+        self._io, self._scalars_fn, self._pin = io, scalars, pin
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.threads_backward, self.threads_step = threads_backward, threads_step
+        self._shadows: dict[int, Buffers] = {}
+        self._halves: list[torch.Tensor] = []
+        self._half_done: list = [None, None]
+        self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
+        self._tasks: queue.Queue = queue.Queue()
+        # Stop speculating once the partial norm makes clipping certain (off only in tests of the redo path).
+        self.partial_norm_cutoff = True
+        self._thread: Optional[threading.Thread] = None
+        self._begin_step()
+
+    # ------------------------------------------------------------------ per step
+    def _begin_step(self) -> None:
+        self.scalars: Optional[dict[int, AdamScalars]] = None
+        self.spec_inv: Optional[float] = None
+        self.clip_threshold: Optional[float] = None  # partial norm / loss scale above which clipping is certain
+        self.loss_scale = 1.0
+        self._queued: set[int] = set()
+        self._speculative: set[int] = set()
+        self._final: set[int] = set()
+        self._stop_speculating = False
+        self._error: Optional[BaseException] = None
+        self._spans: list = []
+        self._done = threading.Event()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._queued)
+
+    def open(self, spec_inv: Optional[float], loss_scale: float, clip: float) -> None:
+        """Called at the first ready subgroup of a backward: fixes this step's Adam constants and whether
+        (and up to which partial norm) speculation is allowed. ``spec_inv`` None: never speculate."""
+        self.prepare()
+        self.spec_inv = spec_inv
+        self.loss_scale = loss_scale
+        self.clip_threshold = clip if clip > 0 else None
+        self._ensure_thread()
+
+    def prepare(self) -> None:
+        """Fix this step's Adam constants if backward did not (call before anything advances step counts)."""
+        if self.scalars is None:
+            self.scalars = self._scalars_fn()
+
+    def ready(self, i: int, event, partial_sq) -> None:
+        """Subgroup i's gradients are final once ``event`` completes; ``partial_sq`` (a host tensor
+        filled by then) is the sum of squared gradient norms of the subgroups ready so far."""
+        self._queued.add(i)
+        self._tasks.put(("ready", i, event, partial_sq))
+
+    def finish(self, inv: Optional[float], commit: bool) -> StepOutcome:
+        """At the step, with the real factor. ``inv`` None: the step is skipped (invalid norm)."""
+        self._ensure_thread()
+        missing = [] if inv is None else [i for i in self.subgroups if i not in self._queued]
+        if missing:
+            self.prepare()
+        for i in missing:  # no gradient reached them in backward (unused parameters) or no overlap this step
+            self._queued.add(i)
+            self._tasks.put(("ready", i, None, None))
+        self._tasks.put(("final", inv, commit))
+        self._done.wait()
+        if self._error is not None:
+            err = self._error
+            self._begin_step()
+            raise err
+        out = StepOutcome(speculative=len(self._speculative), spans=self._spans)
+        if inv is not None:
+            out.committed = sorted(self._final)
+            out.redone = 0 if commit else len(self._speculative)
+        self._begin_step()
+        return out
+
+    def shadow(self, i: int) -> Buffers:
+        return self._shadows[i]
+
+    def set_shadow(self, i: int, b: Buffers) -> None:
+        self._shadows[i] = b
+
+    # ------------------------------------------------------------------ worker
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="dostune-cpu-lane", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._tasks.put(("stop",))
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        deferred: list[int] = []
+        while True:
+            task = self._tasks.get()
+            try:
+                if task[0] == "stop":
+                    return
+                if task[0] == "ready":
+                    _, i, event, partial_sq = task
+                    if event is not None:
+                        event.synchronize()  # the subgroup's gradient copies (and its partial norm) are done
+                    if self._may_speculate(partial_sq):
+                        self._update(i, self.spec_inv, self.threads_backward)
+                        self._speculative.add(i)
+                    else:
+                        deferred.append(i)
+                    continue
+                _, inv, commit = task
+                if inv is None:  # skipped step: put back what the speculative uploads overwrote
+                    for i in sorted(self._speculative):
+                        self._restore_half(i)
+                else:
+                    redo = [] if commit else sorted(self._speculative)
+                    for i in redo + deferred:
+                        self._update(i, inv, self.threads_step)
+                    self._final = set(self._speculative) | set(deferred)
+                self._sync_uploads()
+            except BaseException as e:  # noqa: BLE001 - handed to the step, which raises it
+                self._error = e
+                if task[0] != "final":
+                    continue
+            if task[0] == "final":
+                deferred = []
+                self._done.set()
+
+    def _may_speculate(self, partial_sq) -> bool:
+        if self.spec_inv is None or self._stop_speculating:
+            return False
+        if partial_sq is not None and self.partial_norm_cutoff:
+            norm = float(np.sqrt(float(partial_sq)))
+            if not np.isfinite(norm) or (self.clip_threshold is not None
+                                         and norm / self.loss_scale + 1e-6 > self.clip_threshold):
+                self._stop_speculating = True  # clipping (or a skipped step) is now certain
+                return False
+        return True
+
+    def _buffers(self, i: int, io: SubgroupIO) -> Buffers:
+        b = self._shadows.get(i)
+        n = io.param.numel()
+        if b is None or b.p.numel() != n:
+            b = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
+            for kind, t in zip(("shadow_param", "shadow_exp_avg", "shadow_exp_avg_sq"), (b.p, b.m, b.v)):
+                self._pin((i, kind), t)
+            self._shadows[i] = b
+        return b
+
+    def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        while len(self._halves) < 2:
+            self._halves.append(torch.empty(0, dtype=dtype))
+        buf = self._halves[k]
+        if buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+            self._halves[k] = buf
+        return buf[:n]
+
+    def _update(self, i: int, inv: float, threads: int) -> None:
+        io = self._io(i)
+        b = self._buffers(i, io)
+        n = io.param.numel()
+        k = len(self._spans) % 2
+        if self._half_done[k] is not None:
+            self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
+        half = self._half_buffer(k, n, io.half.dtype)
+        t0 = time.perf_counter()
+        cpu_kernel.adam_out_of_place(io.param, io.grad, io.exp_avg, io.exp_avg_sq, b.p, b.m, b.v,
+                                     self.scalars[i], inv_scale=inv, half_out=half, threads=threads)
+        t1 = time.perf_counter()
+        self._spans.append(("cpu", i, t0, t1))
+        if not self.cuda:
+            io.half.copy_(half)
+            return
+        with torch.cuda.stream(self._stream):
+            io.half.copy_(half, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._half_done[k] = ev
+
+    def _restore_half(self, i: int) -> None:
+        io = self._io(i)
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                io.half.copy_(io.param.to(io.half.dtype), non_blocking=False)
+        else:
+            io.half.copy_(io.param)
+
+    def _sync_uploads(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._half_done = [None, None]
+
+    def spec_factor(self, loss_scale: float) -> float:
+        return float(np.float32(1.0 / loss_scale))
