@@ -35,3 +35,28 @@ def test_overflow_gpu(precision):
 def test_grad_accumulation_gpu():
     train = base_settings(precision="bf16", grad_accum=2, warmup_steps=20)
     check(run(train, SCHEDULES["every-4th"], steps=50, pin_memory=True), reference(train, steps=50))
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_overlap_gpu(clip):
+    # 0.0: every speculative update is committed; 0.05: every one is recomputed (cutoff off so that all run).
+    from test_parity import no_partial_norm_cutoff
+
+    train = base_settings(precision="bf16", clip=clip)
+    ours = run(train, SCHEDULES["overlap"], steps=30, pin_memory=True, adjust=no_partial_norm_cutoff)
+    check(ours, reference(train, steps=30))
+    st = ours["overlap"]
+    assert st["speculative"] == st["committed"] == 90
+    assert st["redone"] == (0 if clip == 0.0 else 90)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_overlap_overflow_gpu(precision):
+    from test_parity import no_partial_norm_cutoff
+
+    train = base_settings(precision=precision)
+    ref = reference(train, steps=30, overflow_steps=(5, 6))
+    ours = run(train, SCHEDULES["overlap"], steps=30, overflow_steps=(5, 6), pin_memory=True,
+               adjust=no_partial_norm_cutoff)
+    check(ours, ref)
+    assert ours["skipped"] == ref["skipped"] == 2

@@ -63,6 +63,7 @@ class BenchResult(_Record):
     micro_batch: int
     seq: int
     precision: str
+    clip: float = 1.0  # gradient clipping of every method (records before it existed used 1.0)
     world_size: int = 1
     warmup: int
     iters: int

@@ -75,6 +75,8 @@ def plot_timeline(spans: list[Span], path: str | Path, title: str) -> Optional[P
                 ax.text((s.start + s.end) / 2 * 1e3, row, str(s.subgroup), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(lanes)), [LANE_LABEL[lane] for lane in lanes])
     ax.invert_yaxis()
+    if any(s.start < 0 for s in spans):
+        ax.axvline(0, color="black", linewidth=0.8, linestyle="--")  # left of it: during backward
     ax.set_xlabel("ms from the start of the optimizer step")
     ax.set_title(title)
     fig.tight_layout()

@@ -41,6 +41,7 @@ class BenchOptions:
     micro_batch: int = 8
     seq: int = 1024
     precision: str = "bf16"
+    clip: float = 1.0
     iters: int = 8
     warmup: int = 3
     seed: int = 0
@@ -149,13 +150,18 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
         m = measure(engine, spec, opts.seq, opts.iters, opts.warmup, opts.seed, progress)
         params = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat) \
             if hasattr(engine.optimizer, "fp32_partitioned_groups_flat") else spec.num_params
-        timeline = []
+        timeline, description = [], METHODS[name]
         if name == "dostune":
+            # Spans before 0 ran during backward (overlap_backward).
             timeline = [Span(lane=s.lane, subgroup=s.subgroup, start=s.start, end=s.end)
                         for s in engine.optimizer.dostune_last_trace]
+            st = engine.optimizer.dostune_overlap_stats
+            if st["steps"]:
+                description += (f"; overlap_backward: {st['speculative']} of {st['committed']} CPU-lane updates "
+                                f"started during backward, {st['redone']} of them recomputed (clipping)")
     finally:
         engine.destroy()
-    return MethodResult(method=name, description=METHODS[name], iter_s=m["iter"].median, fwd_s=m["fwd"].median,
+    return MethodResult(method=name, description=description, iter_s=m["iter"].median, fwd_s=m["fwd"].median,
                         bwd_s=m["bwd"].median, step_s=m["step"].median, iter=m["iter"], fwd=m["fwd"],
                         bwd=m["bwd"], step=m["step"],
                         peak_gpu_gib=round(m["peak"], 3) if m["peak"] is not None else None,
@@ -196,7 +202,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
-    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision)
+    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip)
     methods = opts.resolved_methods()
     results: dict[str, MethodResult] = {}
     twin_ratio = None
@@ -215,4 +221,4 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
         dostune_version=__version__, deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
         node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model,
         params=spec.num_params or 0, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
-        warmup=opts.warmup, iters=opts.iters, seed=opts.seed, methods=results)
+        clip=opts.clip, warmup=opts.warmup, iters=opts.iters, seed=opts.seed, methods=results)

@@ -51,6 +51,9 @@ def bench(
     micro_batch: int = typer.Option(8, min=1, help="Micro-batch size per GPU."),
     seq: int = typer.Option(1024, min=1, help="Sequence length."),
     precision: str = typer.Option("bf16", help="bf16, fp16 or fp32."),
+    clip: float = typer.Option(1.0, min=0.0, help="Gradient clipping (max global norm) for every method; 0 "
+                               "disables it. Matters for overlap_backward, whose speculative updates are "
+                               "recomputed on steps that clip."),
     iters: int = typer.Option(8, min=1, help="Timed iterations per method (medians are reported)."),
     warmup: int = typer.Option(3, min=0, help="Untimed iterations first."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated subset of: " + ", ".join(METHODS)
@@ -76,7 +79,7 @@ def bench(
     Example: dostune bench --model gpt2-1.3b --micro-batch 8 --seq 1024 --config ds_config.json
     """
     sched, sgs = _schedule_from(config, schedule)
-    opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, iters=iters,
+    opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, seed=seed, sub_group_size=sub_group_size, schedule=sched,
                         dostune_sub_group_size=dostune_sub_group_size or sgs, node=node,
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine: overlap_backward (CPU lane during backward) against the same optimizer without it,
+# gpt2-1.3b, bf16, micro-batch 8, seq 1024, sub_group_size 2e8 (7 subgroups), 16 CPU threads.
+#   run(command="bash scripts/device-overlap.sh a", carry=[".whl"])   # GPU tests + no-offload + overlap, no clipping
+#   run(command="bash scripts/device-overlap.sh b", carry=[".whl"])   # the other variants and ZeRO-Offload
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/device-env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/overlap-gpt2-1.3b"
+O=$OUT/overlap-gpt2-1.3b
+bench() {  # NAME CLIP METHODS SCHEDULE
+  echo "=== $1 $(date +%T)"
+  timeout 400 python3 -m dostune bench --model gpt2-1.3b --iters 7 --warmup 2 --clip "$2" --methods "$3" \
+    --dostune-sub-group-size 200000000 --schedule "$4" --output "$O/$1.json" 2>&1 | grep -v Warning | tail -14
+}
+S43='{"gpu_fraction":0.43,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
+S57='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
+S57OFF='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16}'
+case "${1:-a}" in
+  a)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py tests/test_parity_gpu.py -k "overlap or kernel or bitwise or fp16_output" 2>&1 | tail -6
+    bench overlap-g43-clip0 0 no-offload,dostune "$S43" ;;
+  b)
+    bench overlap-g57-clip0 0 dostune "$S57"
+    bench nooverlap-g57-clip0 0 zero-offload,dostune "$S57OFF"
+    bench overlap-g43-clip1 1.0 dostune "$S43" ;;
+esac
+echo "=== done $(date +%T)"
