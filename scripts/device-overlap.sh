@@ -3,6 +3,7 @@
 # gpt2-1.3b, bf16, micro-batch 8, seq 1024, sub_group_size 2e8 (7 subgroups), 16 CPU threads.
 #   run(command="bash scripts/device-overlap.sh a", carry=[".whl"])   # GPU tests + no-offload + overlap, no clipping
 #   run(command="bash scripts/device-overlap.sh b", carry=[".whl"])   # the other variants and ZeRO-Offload
+#   run(command="bash scripts/device-overlap.sh c", carry=[".whl"])   # 2 GPU-lane subgroups, prefetch, clipping
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -15,7 +16,9 @@ bench() {  # NAME CLIP METHODS SCHEDULE
 }
 S43='{"gpu_fraction":0.43,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S57='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
-S57OFF='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16}'
+S29='{"gpu_fraction":0.29,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
+S29P='{"gpu_fraction":0.29,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true,"prefetch_states":true}'
+S57OFF='{"gpu_fraction":0.5715,"gpu_placement":"first","cpu_threads":16}'
 case "${1:-a}" in
   a)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py tests/test_parity_gpu.py -k "overlap or kernel or bitwise or fp16_output" 2>&1 | tail -6
@@ -24,5 +27,10 @@ case "${1:-a}" in
     bench overlap-g57-clip0 0 dostune "$S57"
     bench nooverlap-g57-clip0 0 zero-offload,dostune "$S57OFF"
     bench overlap-g43-clip1 1.0 dostune "$S43" ;;
+  c)  # each variant in its own process; 2 GPU-lane subgroups instead of 3
+    bench nooverlap-g57-clip0-rerun 0 dostune "$S57OFF"
+    bench overlap-g29-clip0 0 dostune "$S29"
+    bench overlap-g29-prefetch-clip0 0 dostune "$S29P"
+    bench overlap-g29-clip1 1.0 dostune "$S29" ;;
 esac
 echo "=== done $(date +%T)"
