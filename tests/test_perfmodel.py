@@ -4,8 +4,8 @@ import pytest
 
 from dostune.optim.schedule import ScheduleConfig
 from dostune.perfmodel.inputs import Cost, NodeInputs
-from dostune.perfmodel.model import (_advance, best_gpu_fraction, ds_offload_step_lanes, predict_memory,
-                                     simulate_step)
+from dostune.perfmodel.model import (BACKWARD_CPU_SLOWDOWN, _advance, best_gpu_fraction, ds_offload_step_lanes,
+                                     grad_ready_fractions, predict_memory, simulate_step)
 from dostune.perfmodel.inputs import ModelInputs
 from dostune.perfmodel.subgroups import subgroup_sizes
 
@@ -67,6 +67,32 @@ def test_prefetch_during_backward_by_hand():
     # the step (copies at the duplex rate while not last, as in the staging test below)
     two = simulate_step([1_000_000_000] * 2, sched, n).lanes_s
     assert two == pytest.approx(1e9 / 100e9 + 12e9 / 40e9 + 12e9 / 40e9 + 1e9 / 100e9 + 12e9 / 50e9)
+
+
+def test_overlap_backward_by_hand():
+    n = node()
+    sizes = [1_000_000_000, 1_000_000_000]
+    sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
+    cpu = (1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9) * BACKWARD_CPU_SLOWDOWN  # unscale + Adam + convert, in backward
+    # 2 s of backward; subgroup 1 (last layers) is final 10% in, subgroup 0 at 60%: both finish inside backward
+    p = simulate_step(sizes, sched, n, prefetch_window_s=2.0, ready_fraction=[0.6, 0.1])
+    spans = {x.subgroup: x for x in p.spans if x.lane == "cpu"}
+    assert spans[1].start == pytest.approx(-1.8) and spans[0].start == pytest.approx(-0.8)
+    assert spans[0].end == pytest.approx(-0.8 + cpu)
+    assert p.lanes_s == 0.0 and p.cpu_busy_s == 0.0  # nothing left for the step
+    # subgroup 0 final only at the end of backward: its update (now at the step's speed) is the step
+    late = simulate_step(sizes, sched, n, prefetch_window_s=2.0, ready_fraction=[1.0, 0.1])
+    plain = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9
+    assert late.lanes_s == pytest.approx(plain + 2e9 / 50e9)  # + its half-precision upload
+    # without readiness (no model profile) the CPU lane runs in the step as before
+    assert simulate_step(sizes, sched, n).lanes_s == simulate_step(sizes, ScheduleConfig(gpu_fraction=0.0,
+                                                                                         cpu_threads=16), n).lanes_s
+
+
+def test_grad_ready_fractions_interpolate_the_profile():
+    # profile: two subgroups of 100 elements, final at 0.8 s and 0.2 s of a 1 s backward
+    assert grad_ready_fractions([50, 100, 50], [100, 100], [0.8, 0.2], 1.0) == [0.8, 0.8, 0.2]
+    assert grad_ready_fractions([100], [100], [None], 1.0) is None
 
 
 def test_staging_slot_reuse_serialises_with_one_buffer():

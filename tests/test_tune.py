@@ -50,6 +50,17 @@ def test_fifty_trials_get_within_two_percent_of_brute_force(space, brute, tmp_pa
     assert res.best.feasible
 
 
+def test_overlap_is_searched_and_predicted_faster_with_a_model_profile(space):
+    from dostune.tune.space import Candidate
+
+    assert space.overlap_possible
+    # the measured H100 case (results/h100/overlap-gpt2-1.3b): 7 subgroups of 2e8, 3 on the GPU lane
+    off, on = (space.evaluate(Candidate(200_000_000, 3, 2, 16, "gpu_convert", True, o)) for o in (False, True))
+    assert on.schedule.overlap_backward and not off.schedule.overlap_backward
+    assert on.step_s < off.step_s
+    assert on.memory.pinned_host_gib > off.memory.pinned_host_gib  # the shadow states
+
+
 def test_emitted_config_is_valid_deepspeed(tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 

@@ -16,6 +16,12 @@ from .inputs import Cost, ModelInputs, NodeInputs
 GiB = 2**30
 STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
 GRAD_BYTES = 4
+# overlap_backward: how much slower a CPU-lane subgroup's update (out-of-place kernel, half precision fused)
+# runs while backward runs than unscale + CPU Adam + CPU conversion in the step, at the same thread count.
+# Fitted to the H100 trace results/h100/overlap-gpt2-1.3b/overlap-g43-clip0.json: 200M-element subgroups took
+# 63-68 ms during backward against 61.6 ms predicted from the node profile at 16 threads. On a busier machine
+# (overlap-g29-clip0.json, same node type) they took 83-151 ms, so this is the optimistic end.
+BACKWARD_CPU_SLOWDOWN = 1.1
 
 
 @dataclass
@@ -99,10 +105,16 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
-                  iterations: int = 4, prefetch_window_s: Optional[float] = None) -> StepPrediction:
+                  iterations: int = 4, prefetch_window_s: Optional[float] = None,
+                  ready_fraction: Optional[Sequence[float]] = None) -> StepPrediction:
     """``prefetch_window_s``: how long backward runs (None: unknown, taken as long enough). With
     ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
-    in during that window, so the step's H2D for them carries at most the gradients."""
+    in during that window, so the step's H2D for them carries at most the gradients.
+
+    With ``overlap_backward`` and both the backward time and ``ready_fraction`` (how far into backward each
+    subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
+    (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower),
+    produces half precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step."""
     threads = sched.cpu_threads or inp.default_threads
     if threads not in inp.cpu_adam:
         threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
@@ -144,30 +156,46 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
+    overlap = bool(sched.overlap_backward and cpu and prefetch_window_s and ready_fraction is not None)
+    bwd = prefetch_window_s if overlap else 0.0
+    if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
+        cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
+        up_bytes = 2
+    bwd_segment = [(-bwd, 0.0, BACKWARD_CPU_SLOWDOWN)] if overlap else []
     dma = _dma_segments(spans, inp)
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
     for _ in range(max(1, iterations)):
-        t = 0.0
+        t = -bwd
         cpu_spans, up_spans = [], []
-        free = gpu_h2d_done
+        free, free_bwd = gpu_h2d_done, -bwd
         for j in cpu:
             s = sizes[j]
-            end = _advance(t, cpu_lane_seconds(s, inp, threads, sched.upload), dma)
+            if overlap:
+                t = max(t, bwd * (ready_fraction[j] - 1.0))
+            end = _advance(t, cpu_lane_seconds(s, inp, threads, "cpu_convert" if overlap else sched.upload),
+                           bwd_segment + dma)
             cpu_spans.append(SimSpan("cpu", j, t, end))
             t = end
+            if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
+                u0 = max(free_bwd, end)
+                u1 = u0 + inp.h2d.t(up_bytes * s)
+                free_bwd = u1
+                up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9))
+                continue
             u0 = max(free, end)
             rate = inp.h2d_duplex if u0 < d2h_free else inp.h2d
             copy = rate.t(up_bytes * s)
-            u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" else 0.0)
+            u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
             up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
             free = u1
         dma = _dma_segments(spans + up_spans, inp)
     spans = spans + cpu_spans + up_spans
-    lanes_s = max((x.end for x in spans), default=0.0)
+    lanes_s = max(0.0, max((x.end for x in spans), default=0.0))
 
-    def busy(names):
-        return sum(b - a for a, b in _union([(x.start, x.end) for x in spans if x.lane in names]))
+    def busy(names):  # within the step (work hidden under backward does not count)
+        return sum(b - a for a, b in _union([(max(0.0, x.start), x.end) for x in spans
+                                             if x.lane in names and x.end > 0]))
 
     return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
                           cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
@@ -240,8 +268,10 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
         peak = max(m.peak_fwd_gib or 0.0, (m.peak_bwd_gib or 0.0) + extra_bwd, step_base + extra_step)
     total = sum(sizes)
     pinned = (STATE_BYTES + GRAD_BYTES + GRAD_BYTES) * total  # + DeepSpeed's pinned partition buffer
-    if sched.upload == "cpu_convert" and cpu:
+    if (sched.upload == "cpu_convert" or sched.overlap_backward) and cpu:
         pinned += 2 * 2 * max(sizes[i] for i in cpu)
+    if sched.overlap_backward:  # the shadow fp32 params and Adam states of every CPU-lane subgroup
+        pinned += STATE_BYTES * sum(sizes[i] for i in cpu)
     return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
                             pinned_host_gib=pinned / GiB)
 
@@ -276,6 +306,22 @@ def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: b
         traffic_gbps = (f * b_in + (1 - f) * b_up + f * STATE_BYTES) / step / 1e9
         k = 1.0 + (inp.contention - 1.0) * min(1.0, traffic_gbps / inp.contention_gbps)
     return f
+
+
+def grad_ready_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
+                         profile_ready: Sequence[Optional[float]], backward_s: float) -> Optional[list[float]]:
+    """How far into backward (0..1) each subgroup's gradients are all final: when the element at its start is,
+    interpolated from the model profile's per-subgroup readiness at its own sub_group_size. None if unknown."""
+    if not profile_sizes or backward_s <= 0 or any(r is None for r in profile_ready):
+        return None
+    out, acc, edges, pos = [], 0, [], 0
+    for ps, r in zip(profile_sizes, profile_ready):
+        edges.append((pos, pos + ps, min(1.0, r / backward_s)))
+        pos += ps
+    for s in sizes:
+        out.append(next((r for a, b, r in edges if a <= acc < b), 1.0))
+        acc += s
+    return out
 
 
 def grad_alloc_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
@@ -333,10 +379,11 @@ class Prediction:
 
 
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
-            overhead_s: float, grad_alloc: Optional[Sequence[float]] = None) -> Prediction:
-    return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes),
-                      step=simulate_step(sizes, sched, node, overhead_s, prefetch_window_s=m.bwd_s), memory=predict_memory(sizes, sched, m, grad_alloc),
-                      fwd_s=m.fwd_s, bwd_s=m.bwd_s)
+            overhead_s: float, grad_alloc: Optional[Sequence[float]] = None,
+            grad_ready: Optional[Sequence[float]] = None) -> Prediction:
+    step = simulate_step(sizes, sched, node, overhead_s, prefetch_window_s=m.bwd_s, ready_fraction=grad_ready)
+    return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
+                      memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
 
 def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "first") -> int:

@@ -135,7 +135,7 @@ def _candidate(space: Space, params: dict) -> Candidate:
     sgs = params["sub_group_size"]
     n = len(space.sizes(sgs))
     return Candidate(sgs, round(params["gpu_share"] * n), params["staging_buffers"], params["cpu_threads"],
-                     params["upload"], params["grads_on_gpu"])
+                     params["upload"], params["grads_on_gpu"], params.get("overlap_backward", False))
 
 
 def _sampler(name: str, seed: int):
@@ -180,7 +180,8 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
             n = len(space.sizes(c.sub_group_size))
             study.enqueue_trial({"sub_group_size": c.sub_group_size, "gpu_share": c.gpu_count / n,
                                  "staging_buffers": c.staging_buffers, "cpu_threads": c.cpu_threads,
-                                 "upload": c.upload, "grads_on_gpu": c.grads_on_gpu})
+                                 "upload": c.upload, "grads_on_gpu": c.grads_on_gpu,
+                                 **({"overlap_backward": c.overlap_backward} if space.overlap_possible else {})})
 
     def objective(trial):
         c = _candidate(space, {
@@ -190,6 +191,8 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
             "cpu_threads": trial.suggest_categorical("cpu_threads", space.threads),
             "upload": trial.suggest_categorical("upload", list(UPLOADS)),
             "grads_on_gpu": trial.suggest_categorical("grads_on_gpu", [True, False]),
+            **({"overlap_backward": trial.suggest_categorical("overlap_backward", [False, True])}
+               if space.overlap_possible else {}),
         })
         p = space.evaluate(c)
         budget_over, peak_over = space.violations(p)

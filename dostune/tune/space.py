@@ -9,7 +9,7 @@ from ..errors import DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..perfmodel.inputs import ModelInputs, NodeInputs
 from ..perfmodel.model import (Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
-                               grad_alloc_fractions, predict)
+                               grad_alloc_fractions, grad_ready_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
@@ -25,6 +25,7 @@ class Candidate:
     cpu_threads: int
     upload: str
     grads_on_gpu: bool
+    overlap_backward: bool = False
 
 
 class Space:
@@ -46,6 +47,7 @@ class Space:
         self._profile_subgroups = profile_subgroups
         self._sizes: dict[int, tuple[int, ...]] = {}
         self._alloc: dict[int, tuple[float, ...]] = {}
+        self._ready: dict[int, Optional[tuple[float, ...]]] = {}
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
         if sub_group_size not in self._sizes:
@@ -60,16 +62,26 @@ class Space:
             self._alloc[sub_group_size] = tuple(grad_alloc_fractions(self.sizes(sub_group_size), psizes, pready, bwd))
         return self._alloc[sub_group_size]
 
+    def grad_ready(self, sub_group_size: int) -> Optional[tuple[float, ...]]:
+        """When in backward each subgroup's gradients are all final (fractions), from the model profile."""
+        if self._profile_subgroups is None:
+            return None
+        if sub_group_size not in self._ready:
+            psizes, pready, bwd = self._profile_subgroups
+            r = grad_ready_fractions(self.sizes(sub_group_size), psizes, pready, bwd)
+            self._ready[sub_group_size] = tuple(r) if r is not None else None
+        return self._ready[sub_group_size]
+
     def schedule(self, c: Candidate) -> ScheduleConfig:
         n = len(self.sizes(c.sub_group_size))
         # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
         return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
                               cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
-                              expected_subgroups=n)
+                              overlap_backward=c.overlap_backward, expected_subgroups=n)
 
     def evaluate(self, c: Candidate) -> Prediction:
         return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c), self.node, self.model,
-                       self.overhead_s, self.grad_alloc(c.sub_group_size))
+                       self.overhead_s, self.grad_alloc(c.sub_group_size), self.grad_ready(c.sub_group_size))
 
     def violations(self, p: Prediction) -> list[float]:
         """Constraint values, <= 0 when satisfied (Optuna's convention): GiB over the staging budget, GiB over
@@ -89,12 +101,21 @@ class Space:
         for sgs in self.sub_group_sizes:
             for buffers in (2, 4):
                 yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f), buffers, t, "gpu_convert", True)
+            if self.overlap_possible:  # the CPU lane hides under backward: give it the larger share
+                yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), 2, t, "gpu_convert", True, True)
+
+    @property
+    def overlap_possible(self) -> bool:
+        """overlap_backward is only searched when the model profile says when gradients become final."""
+        return self._profile_subgroups is not None and self.model.bwd_s is not None
 
     def all_candidates(self) -> Iterator[Candidate]:
+        overlaps = (False, True) if self.overlap_possible else (False,)
         for sgs in self.sub_group_sizes:
             n = len(self.sizes(sgs))
-            for k, b, t, u, g in itertools.product(range(n + 1), BUFFERS, self.threads, UPLOADS, (True, False)):
-                yield Candidate(sgs, k, b, t, u, g)
+            for k, b, t, u, g, o in itertools.product(range(n + 1), BUFFERS, self.threads, UPLOADS, (True, False),
+                                                      overlaps):
+                yield Candidate(sgs, k, b, t, u, g, o)
 
 
 def brute_force(space: Space) -> tuple[Candidate, Prediction]:
