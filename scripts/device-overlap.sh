@@ -4,6 +4,8 @@
 #   run(command="bash scripts/device-overlap.sh a", carry=[".whl"])   # GPU tests + no-offload + overlap, no clipping
 #   run(command="bash scripts/device-overlap.sh b", carry=[".whl"])   # the other variants and ZeRO-Offload
 #   run(command="bash scripts/device-overlap.sh c", carry=[".whl"])   # 2 GPU-lane subgroups, prefetch, clipping
+#   run(command="bash scripts/device-overlap.sh d", carry=[".whl"])   # the tuned overlap schedule vs baselines
+#   run(command="bash scripts/device-overlap.sh e", carry=[".whl"])   # tuned without overlap, tuned again
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -14,6 +16,12 @@ bench() {  # NAME CLIP METHODS SCHEDULE
   timeout 400 python3 -m dostune bench --model gpt2-1.3b --iters 7 --warmup 2 --clip "$2" --methods "$3" \
     --dostune-sub-group-size 200000000 --schedule "$4" --output "$O/$1.json" 2>&1 | grep -v Warning | tail -14
 }
+bench_config() {  # NAME CLIP METHODS CONFIG
+  echo "=== $1 $(date +%T)"
+  timeout 400 python3 -m dostune bench --model gpt2-1.3b --iters 9 --warmup 2 --clip "$2" --methods "$3" \
+    --config "$4" --output "$O/$1.json" 2>&1 | grep -v Warning | tail -16
+}
+TUNED=results/h100/tune-gpt2-1.3b-overlap/ds_config.json  # dostune tune's pick with overlap in the search
 S43='{"gpu_fraction":0.43,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S57='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S29='{"gpu_fraction":0.29,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
@@ -32,5 +40,11 @@ case "${1:-a}" in
     bench overlap-g29-clip0 0 dostune "$S29"
     bench overlap-g29-prefetch-clip0 0 dostune "$S29P"
     bench overlap-g29-clip1 1.0 dostune "$S29" ;;
+  d)  # the tuned overlap schedule against no offload and ZeRO-Offload in one process, then with clipping
+    bench_config tuned-clip0 0 no-offload,zero-offload,dostune $TUNED
+    bench_config tuned-clip1 1.0 dostune $TUNED ;;
+  e)  # the earlier tuned schedule without overlap, and the tuned overlap one again (noise between processes)
+    bench_config nooverlap-tuned-clip0 0 dostune results/h100/tune-gpt2-1.3b/ds_config.json
+    bench_config tuned-clip0-repeat 0 dostune $TUNED ;;
 esac
 echo "=== done $(date +%T)"
