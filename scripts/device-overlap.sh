@@ -46,5 +46,10 @@ case "${1:-a}" in
   e)  # the earlier tuned schedule without overlap, and the tuned overlap one again (noise between processes)
     bench_config nooverlap-tuned-clip0 0 dostune results/h100/tune-gpt2-1.3b/ds_config.json
     bench_config tuned-clip0-repeat 0 dostune $TUNED ;;
+  f)  # fewer CPU Adam threads while backward runs: does backward slow less, and what does the step pay?
+    for t in 12 8; do
+      python3 -c "import json,sys; c=json.load(open('$TUNED')); c['dostune']['backward_cpu_threads']=$t; json.dump(c, open('/tmp/bt$t.json','w'))"
+      bench_config tuned-clip0-bwdthreads$t 0 dostune /tmp/bt$t.json
+    done ;;
 esac
 echo "=== done $(date +%T)"
