@@ -51,5 +51,11 @@ case "${1:-a}" in
       python3 -c "import json,sys; c=json.load(open('$TUNED')); c['dostune']['backward_cpu_threads']=$t; json.dump(c, open('/tmp/bt$t.json','w'))"
       bench_config tuned-clip0-bwdthreads$t 0 dostune /tmp/bt$t.json
     done ;;
+  g)  # the GPU lane's first states prefetched during backward, or not: A B A B (processes differ by +-0.05 s)
+    python3 -c "import json; c=json.load(open('$TUNED')); c['dostune']['prefetch_states']=True; json.dump(c, open('/tmp/pf.json','w'))"
+    for r in 1 2; do
+      bench_config tuned-clip0-ab$r 0 dostune $TUNED
+      bench_config tuned-prefetch-clip0-ab$r 0 dostune /tmp/pf.json
+    done ;;
 esac
 echo "=== done $(date +%T)"
