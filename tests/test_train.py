@@ -189,6 +189,19 @@ def test_staging_larger_than_the_gpu_is_refused():
     check_staging_fits(opt, ScheduleConfig(gpu_fraction=0.0, upload="cpu_convert"), capacity_bytes=10 * 2**30)
 
 
+def test_overlap_shadows_larger_than_host_memory_are_refused():
+    from types import SimpleNamespace
+
+    from dostune.optim.zero3 import check_shadows_fit
+
+    opt = SimpleNamespace(fp16_partitioned_groups_flat_numel=[10**9] * 4)
+    sched = ScheduleConfig(gpu_fraction=0.5, overlap_backward=True)  # 2 CPU-lane subgroups: 24 GB of shadows + 4 GB of half buffers
+    with pytest.raises(ConfigError, match="overlap_backward needs 26.1 GiB more host memory .* only 16.0 GiB"):
+        check_shadows_fit(opt, sched, available=16 * 2**30)
+    check_shadows_fit(opt, sched, available=64 * 2**30)
+    check_shadows_fit(opt, ScheduleConfig(gpu_fraction=0.5), available=1)  # no overlap: no shadows
+
+
 def test_cli_train_help_mentions_the_launcher():
     r = CliRunner().invoke(app, ["train", "--help"])
     assert r.exit_code == 0 and "deepspeed --num_gpus 2 --module dostune.train" in " ".join(r.stdout.split())

@@ -149,6 +149,37 @@ def check_staging_fits(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleCon
                  "(dostune tune picks these under a memory budget)")
 
 
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig,
+                      available: Optional[int] = None) -> None:
+    """overlap_backward keeps a second copy of every CPU-lane subgroup's fp32 params and Adam states in host
+    memory; refuse at start-up, with the numbers, rather than swap or die of the OOM killer mid-run."""
+    if not schedule.overlap_backward:
+        return
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    numel = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
+    cpu = make_plan(len(numel), schedule).cpu_order
+    need = 12 * sum(numel[i] for i in cpu) + 4 * max((numel[i] for i in cpu), default=0)
+    if need > 0.9 * available:
+        raise ConfigError(
+            f"overlap_backward needs {need / 2**30:.1f} GiB more host memory for shadow optimizer states, but only "
+            f"{available / 2**30:.1f} GiB are available",
+            hint="set overlap_backward false, or raise gpu_fraction so fewer subgroups are updated on the CPU")
+
+
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     _dos: _State
 
@@ -171,6 +202,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"at sub_group_size {opt.sub_group_size:g}",
                 hint="re-run `dostune tune` for this model, or remove 'expected_subgroups' from the dostune section")
         check_staging_fits(opt, schedule)
+        check_shadows_fit(opt, schedule)
         opt.__class__ = cls
         opt._dostune_init(schedule)
         return opt
