@@ -57,5 +57,9 @@ case "${1:-a}" in
       bench_config tuned-clip0-ab$r 0 dostune $TUNED
       bench_config tuned-prefetch-clip0-ab$r 0 dostune /tmp/pf.json
     done ;;
+  h)  # one more subgroup to the CPU lane (3 of 14 on the GPU lane) vs the tuned 4 of 14, each against no offload
+    python3 -c "import json; c=json.load(open('$TUNED')); c['dostune']['gpu_fraction']=0.2143; json.dump(c, open('/tmp/g3.json','w'))"
+    bench_config g3of14-clip0 0 no-offload,dostune /tmp/g3.json
+    bench_config tuned-clip0-vs-nooffload 0 no-offload,dostune $TUNED ;;
 esac
 echo "=== done $(date +%T)"
