@@ -61,5 +61,9 @@ case "${1:-a}" in
     python3 -c "import json; c=json.load(open('$TUNED')); c['dostune']['gpu_fraction']=0.2143; json.dump(c, open('/tmp/g3.json','w'))"
     bench_config g3of14-clip0 0 no-offload,dostune /tmp/g3.json
     bench_config tuned-clip0-vs-nooffload 0 no-offload,dostune $TUNED ;;
+  i)  # does the CPU lane during backward slow backward? ZeRO-Offload's backward in the same process as reference
+    python3 -c "import json; c=json.load(open('$TUNED')); c['dostune']['overlap_backward']=False; json.dump(c, open('/tmp/nov.json','w'))"
+    bench_config tuned-vs-zo-overlap-on 0 zero-offload,dostune $TUNED
+    bench_config tuned-vs-zo-overlap-off 0 zero-offload,dostune /tmp/nov.json ;;
 esac
 echo "=== done $(date +%T)"
