@@ -161,6 +161,8 @@ class BackwardOverlap:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
+        if self.cuda:  # a new thread starts on device 0; each rank's worker must use its rank's GPU
+            torch.cuda.set_device(self.device)
         deferred: list[int] = []
         while True:
             task = self._tasks.get()
