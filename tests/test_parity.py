@@ -67,23 +67,32 @@ def test_grad_accumulation_and_lr_schedule():
     check(run(train, SCHEDULES["every-2nd"], steps=50), reference(train, steps=50))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_overflow_steps_are_skipped_and_nothing_corrupted(precision):
-    # Two overflows in a row: with DeepSpeed's default hysteresis of 2 the second one halves the fp16 scale.
+def no_partial_norm_cutoff(opt):
+    opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+
+
+def overflow_case(precision: str, schedule: str, **run_kw):
+    """Two overflows in a row: with DeepSpeed's default hysteresis of 2 the second one halves the fp16 scale.
+    With overlap_backward the overflowing steps' speculative updates (and their uploads) must be undone."""
     train = base_settings(precision=precision)
     ref = reference(train, steps=30, overflow_steps=(5, 6))
-    ours = run(train, SCHEDULES["every-2nd"], steps=30, overflow_steps=(5, 6))
+    adjust = no_partial_norm_cutoff if SCHEDULES[schedule].overlap_backward else None
+    ours = run(train, SCHEDULES[schedule], steps=30, overflow_steps=(5, 6), adjust=adjust, **run_kw)
     check(ours, ref)
     assert ours["skipped"] == ref["skipped"] == 2
     assert ours["loss_scale"] == ref["loss_scale"]
     assert torch.isfinite(ours["weights"]).all()
     if precision == "fp16":
         assert ours["loss_scale"] < reference(train, steps=30)["loss_scale"]
+    if adjust is not None:
+        assert ours["overlap"]["committed"] == (30 - 2) * 3
 
 
-def no_partial_norm_cutoff(opt):
-    opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_overflow_steps_are_skipped_and_nothing_corrupted(precision, schedule):
+    overflow_case(precision, schedule)
 
 
 @pytest.mark.slow
@@ -107,17 +116,6 @@ def test_overlap_recomputes_when_clipping_triggers(cutoff):
         assert st["speculative"] == st["redone"] == 0
     else:
         assert st["speculative"] == st["redone"] == 30 * 3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_overlap_overflow_steps_are_skipped_and_restored(precision):
-    train = base_settings(precision=precision)
-    ref = reference(train, steps=30, overflow_steps=(5, 6))
-    ours = run(train, SCHEDULES["overlap"], steps=30, overflow_steps=(5, 6), adjust=no_partial_norm_cutoff)
-    check(ours, ref)
-    assert ours["skipped"] == ref["skipped"] == 2 and ours["loss_scale"] == ref["loss_scale"]
-    assert ours["overlap"]["committed"] == (30 - 2) * 3
 
 
 def test_states_are_prefetched_during_backward_and_released_after_the_step():

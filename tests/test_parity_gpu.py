@@ -4,7 +4,7 @@ import pytest
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import base_settings, reference, run
-from test_parity import SCHEDULES, check
+from test_parity import SCHEDULES, check, no_partial_norm_cutoff, overflow_case
 
 pytestmark = pytest.mark.gpu
 
@@ -23,13 +23,10 @@ def test_lane_variants_gpu(upload, grads_on_gpu):
     check(run(train, sched, pin_memory=True), reference(train))
 
 
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_overflow_gpu(precision):
-    train = base_settings(precision=precision)
-    ref = reference(train, steps=30, overflow_steps=(5, 6))
-    ours = run(train, SCHEDULES["every-2nd"], steps=30, overflow_steps=(5, 6), pin_memory=True)
-    check(ours, ref)
-    assert ours["skipped"] == ref["skipped"] == 2
+def test_overflow_gpu(precision, schedule):
+    overflow_case(precision, schedule, pin_memory=True)
 
 
 def test_grad_accumulation_gpu():
@@ -40,8 +37,6 @@ def test_grad_accumulation_gpu():
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_overlap_gpu(clip):
     # 0.0: every speculative update is committed; 0.05: every one is recomputed (cutoff off so that all run).
-    from test_parity import no_partial_norm_cutoff
-
     train = base_settings(precision="bf16", clip=clip)
     ours = run(train, SCHEDULES["overlap"], steps=30, pin_memory=True, adjust=no_partial_norm_cutoff)
     check(ours, reference(train, steps=30))
@@ -49,14 +44,3 @@ def test_overlap_gpu(clip):
     assert st["speculative"] == st["committed"] == 90
     assert st["redone"] == (0 if clip == 0.0 else 90)
 
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_overlap_overflow_gpu(precision):
-    from test_parity import no_partial_norm_cutoff
-
-    train = base_settings(precision=precision)
-    ref = reference(train, steps=30, overflow_steps=(5, 6))
-    ours = run(train, SCHEDULES["overlap"], steps=30, overflow_steps=(5, 6), pin_memory=True,
-               adjust=no_partial_norm_cutoff)
-    check(ours, ref)
-    assert ours["skipped"] == ref["skipped"] == 2
