@@ -150,8 +150,14 @@ def _sampler(name: str, seed: int):
     raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
 
 
+# Bumped whenever the searched parameters change (2: overlap_backward), so that a stored study from an older
+# search is not resumed as if its trials had explored the new space.
+SEARCH_SPACE_VERSION = 2
+
+
 def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
-    key = {"node": [node_p.name, node_p.created], "model": [opts.model, model_p.created if model_p else None],
+    key = {"space": SEARCH_SPACE_VERSION,
+           "node": [node_p.name, node_p.created], "model": [opts.model, model_p.created if model_p else None],
            "budget": space.budget_gib, "peak": space.max_peak_gib, "sizes": space.sub_group_sizes,
            "threads": space.threads}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -248,7 +254,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
     out_dir = Path(opts.output_dir or Path("runs") / "tune" / opts.model)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
-    study_name = opts.study_name or f"{node_p.name}-{opts.model}-b{micro_batch}"
+    study_name = opts.study_name or f"{node_p.name}-{opts.model}-b{micro_batch}-v{SEARCH_SPACE_VERSION}"
     study = run_study(space, opts, storage, study_name, _problem_key(node_p, model_p, opts, space), progress)
     top = ranked(space, study)
     if not top:
