@@ -59,9 +59,9 @@ class SubgroupIO:
 @dataclass
 class StepOutcome:
     committed: list[int] = field(default_factory=list)  # shadows now hold the new state: swap them in
-    speculative: int = 0  # subgroups updated during backward
+    speculative: int = 0  # subgroups updated before the real factor was known (during backward)
     redone: int = 0  # of those, recomputed with the real clipping factor
-    spans: list = field(default_factory=list)  # ("cpu"|"up", subgroup, t0, t1) host times
+    spans: list = field(default_factory=list)  # ("cpu", subgroup, t0, t1) host times of each update
 
 
 class BackwardOverlap:
@@ -76,6 +76,7 @@ class BackwardOverlap:
         self._shadows: dict[int, Buffers] = {}
         self._halves: list[torch.Tensor] = []
         self._half_done: list = [None, None]
+        # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
         self._tasks: queue.Queue = queue.Queue()
         # Stop speculating once the partial norm makes clipping certain (off only in tests of the redo path).
