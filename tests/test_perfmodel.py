@@ -58,7 +58,7 @@ def test_prefetch_during_backward_by_hand():
     # backward long enough: the states are already in, the step is kernel + copy out
     assert simulate_step([1_000_000_000], sched, n).lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
     # a 0.1 s backward hides 0.1 s of the 0.24 s copy in
-    short = simulate_step([1_000_000_000], sched, n, prefetch_window_s=0.1).lanes_s
+    short = simulate_step([1_000_000_000], sched, n, backward_s=0.1).lanes_s
     assert short == pytest.approx(12e9 / 50e9 - 0.1 + 1e9 / 100e9 + 12e9 / 50e9)
     # gradients that come from the host still stream in during the step
     no_kept = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, grads_on_gpu=False, prefetch_states=True)
@@ -75,13 +75,13 @@ def test_overlap_backward_by_hand():
     sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
     cpu = (1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9) * BACKWARD_CPU_SLOWDOWN  # unscale + Adam + convert, in backward
     # 2 s of backward; subgroup 1 (last layers) is final 10% in, subgroup 0 at 60%: both finish inside backward
-    p = simulate_step(sizes, sched, n, prefetch_window_s=2.0, ready_fraction=[0.6, 0.1])
+    p = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[0.6, 0.1])
     spans = {x.subgroup: x for x in p.spans if x.lane == "cpu"}
     assert spans[1].start == pytest.approx(-1.8) and spans[0].start == pytest.approx(-0.8)
     assert spans[0].end == pytest.approx(-0.8 + cpu)
     assert p.lanes_s == 0.0 and p.cpu_busy_s == 0.0  # nothing left for the step
     # subgroup 0 final only at the end of backward: its update (now at the step's speed) is the step
-    late = simulate_step(sizes, sched, n, prefetch_window_s=2.0, ready_fraction=[1.0, 0.1])
+    late = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.1])
     plain = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9
     assert late.lanes_s == pytest.approx(plain + 2e9 / 50e9)  # + its half-precision upload
     # without readiness (no model profile) the CPU lane runs in the step as before

@@ -115,7 +115,7 @@ def tune(
 
     sched = ScheduleConfig.model_validate(best.schedule)
     spans = simulate_step(space.sizes(best.sub_group_size), sched, space.node, space.overhead_s,
-                          prefetch_window_s=space.model.bwd_s).spans
+                          backward_s=space.model.bwd_s).spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
                         f"{best.sub_group_size:.0e}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
                         "subgroups on the GPU")

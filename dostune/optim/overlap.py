@@ -263,5 +263,7 @@ class BackwardOverlap:
             self._stream.synchronize()
         self._half_done = [None, None]
 
-    def spec_factor(self, loss_scale: float) -> float:
+    @staticmethod
+    def spec_factor(loss_scale: float) -> float:
+        """The unscale factor a step without clipping uses, as the fp32 value the kernels receive."""
         return float(np.float32(1.0 / loss_scale))

@@ -105,9 +105,9 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
-                  iterations: int = 4, prefetch_window_s: Optional[float] = None,
+                  iterations: int = 4, backward_s: Optional[float] = None,
                   ready_fraction: Optional[Sequence[float]] = None) -> StepPrediction:
-    """``prefetch_window_s``: how long backward runs (None: unknown, taken as long enough). With
+    """``backward_s``: how long backward runs (None: unknown; a prefetch then counts it as long enough). With
     ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
     in during that window, so the step's H2D for them carries at most the gradients.
 
@@ -129,7 +129,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     spans: list[SimSpan] = []
     h2d_free = comp_free = d2h_free = 0.0
     d2h_end: list[float] = []
-    window = float("inf") if prefetch_window_s is None else prefetch_window_s
+    window = float("inf") if backward_s is None else backward_s
     for k, i in enumerate(gpu):
         s = sizes[i]
         ready = d2h_end[k - nbuf] if k >= nbuf else 0.0
@@ -156,8 +156,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
-    overlap = bool(sched.overlap_backward and cpu and prefetch_window_s and ready_fraction is not None)
-    bwd = prefetch_window_s if overlap else 0.0
+    overlap = bool(sched.overlap_backward and cpu and backward_s and ready_fraction is not None)
+    bwd = backward_s if overlap else 0.0
     if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
         cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
         up_bytes = 2
@@ -308,18 +308,34 @@ def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: b
     return f
 
 
+def _profile_ready_edges(profile_sizes: Sequence[int], profile_ready: Sequence[Optional[float]],
+                         backward_s: float) -> Optional[list[tuple[int, int, float]]]:
+    """The model profile's subgroups as (first element, end, fraction of backward when all their gradients
+    were final); None when the profile does not say."""
+    if not profile_sizes or backward_s <= 0 or any(r is None for r in profile_ready):
+        return None
+    edges, pos = [], 0
+    for ps, r in zip(profile_sizes, profile_ready):
+        edges.append((pos, pos + ps, r / backward_s))
+        pos += ps
+    return edges
+
+
+def _ready_at(edges: list[tuple[int, int, float]], pos: float) -> Optional[float]:
+    return next((r for a, b, r in edges if a <= pos < b), None)
+
+
 def grad_ready_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
                          profile_ready: Sequence[Optional[float]], backward_s: float) -> Optional[list[float]]:
     """How far into backward (0..1) each subgroup's gradients are all final: when the element at its start is,
     interpolated from the model profile's per-subgroup readiness at its own sub_group_size. None if unknown."""
-    if not profile_sizes or backward_s <= 0 or any(r is None for r in profile_ready):
+    edges = _profile_ready_edges(profile_sizes, profile_ready, backward_s)
+    if edges is None:
         return None
-    out, acc, edges, pos = [], 0, [], 0
-    for ps, r in zip(profile_sizes, profile_ready):
-        edges.append((pos, pos + ps, min(1.0, r / backward_s)))
-        pos += ps
+    out, acc = [], 0
     for s in sizes:
-        out.append(next((r for a, b, r in edges if a <= acc < b), 1.0))
+        r = _ready_at(edges, acc)
+        out.append(1.0 if r is None else min(1.0, r))
         acc += s
     return out
 
@@ -329,22 +345,13 @@ def grad_alloc_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
     """When (as a fraction of backward) each subgroup's first gradient arrives, interpolated by element position
     from the model profile's per-subgroup readiness at its own sub_group_size. A subgroup's first gradient comes
     when the subgroup after it (in element order) is complete."""
-    if not profile_sizes or backward_s <= 0 or any(r is None for r in profile_ready):
+    edges = _profile_ready_edges(profile_sizes, profile_ready, backward_s)
+    if edges is None:
         return [0.0] * len(sizes)
-    edges, acc = [], 0
-    for s, r in zip(profile_sizes, profile_ready):
-        edges.append((acc, acc + s, r / backward_s))
-        acc += s
-
-    def ready_at(pos: float) -> float:
-        for a, b, r in edges:
-            if a <= pos < b:
-                return r
-        return edges[-1][2]
-
     out, acc = [], 0
     for s in sizes:
-        out.append(min(1.0, ready_at(acc + s)) if acc + s < edges[-1][1] else 0.0)
+        r = _ready_at(edges, acc + s)
+        out.append(min(1.0, edges[-1][2] if r is None else r) if acc + s < edges[-1][1] else 0.0)
         acc += s
     return out
 
@@ -381,7 +388,7 @@ class Prediction:
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
             overhead_s: float, grad_alloc: Optional[Sequence[float]] = None,
             grad_ready: Optional[Sequence[float]] = None) -> Prediction:
-    step = simulate_step(sizes, sched, node, overhead_s, prefetch_window_s=m.bwd_s, ready_fraction=grad_ready)
+    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready)
     return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
                       memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
