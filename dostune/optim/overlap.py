@@ -74,7 +74,7 @@ class BackwardOverlap:
         self.cuda = device.type == "cuda"
         self.threads_backward, self.threads_step = threads_backward, threads_step
         self._shadows: dict[int, Buffers] = {}
-        self._halves: list[torch.Tensor] = []
+        self._halves: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]  # grown to the subgroup on first use
         self._half_done: list = [None, None]
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
@@ -220,8 +220,6 @@ class BackwardOverlap:
         return b
 
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        while len(self._halves) < 2:
-            self._halves.append(torch.empty(0, dtype=dtype))
         buf = self._halves[k]
         if buf.numel() < n or buf.dtype != dtype:
             buf = torch.empty(n, dtype=dtype, pin_memory=self.cuda)

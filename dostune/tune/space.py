@@ -46,31 +46,33 @@ class Space:
         self.overhead_s = ds_step_overhead(model, ds_sizes, node)
         self._profile_subgroups = profile_subgroups
         self._sizes: dict[int, tuple[int, ...]] = {}
-        self._alloc: dict[int, tuple[float, ...]] = {}
-        self._ready: dict[int, Optional[tuple[float, ...]]] = {}
+        self._fractions: dict[int, tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]] = {}
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
         if sub_group_size not in self._sizes:
             self._sizes[sub_group_size] = tuple(subgroup_sizes(self.numels, sub_group_size, self.world_size))
         return self._sizes[sub_group_size]
 
+    def _profile_fractions(self, sub_group_size: int):
+        """(first gradient, all gradients final) per subgroup as fractions of backward, from the model profile;
+        (None, None) without one."""
+        if sub_group_size not in self._fractions:
+            alloc = ready = None
+            if self._profile_subgroups is not None:
+                psizes, pready, bwd = self._profile_subgroups
+                sizes = self.sizes(sub_group_size)
+                alloc = tuple(grad_alloc_fractions(sizes, psizes, pready, bwd))
+                r = grad_ready_fractions(sizes, psizes, pready, bwd)
+                ready = tuple(r) if r is not None else None
+            self._fractions[sub_group_size] = (alloc, ready)
+        return self._fractions[sub_group_size]
+
     def grad_alloc(self, sub_group_size: int) -> Optional[tuple[float, ...]]:
-        if self._profile_subgroups is None:
-            return None
-        if sub_group_size not in self._alloc:
-            psizes, pready, bwd = self._profile_subgroups
-            self._alloc[sub_group_size] = tuple(grad_alloc_fractions(self.sizes(sub_group_size), psizes, pready, bwd))
-        return self._alloc[sub_group_size]
+        return self._profile_fractions(sub_group_size)[0]
 
     def grad_ready(self, sub_group_size: int) -> Optional[tuple[float, ...]]:
         """When in backward each subgroup's gradients are all final (fractions), from the model profile."""
-        if self._profile_subgroups is None:
-            return None
-        if sub_group_size not in self._ready:
-            psizes, pready, bwd = self._profile_subgroups
-            r = grad_ready_fractions(self.sizes(sub_group_size), psizes, pready, bwd)
-            self._ready[sub_group_size] = tuple(r) if r is not None else None
-        return self._ready[sub_group_size]
+        return self._profile_fractions(sub_group_size)[1]
 
     def schedule(self, c: Candidate) -> ScheduleConfig:
         n = len(self.sizes(c.sub_group_size))
@@ -107,7 +109,7 @@ class Space:
     @property
     def overlap_possible(self) -> bool:
         """overlap_backward is only searched when the model profile says when gradients become final."""
-        return self._profile_subgroups is not None and self.model.bwd_s is not None
+        return self.model.bwd_s is not None and self.grad_ready(self.sub_group_sizes[0]) is not None
 
     def all_candidates(self) -> Iterator[Candidate]:
         overlaps = (False, True) if self.overlap_possible else (False,)
