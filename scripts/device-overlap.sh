@@ -6,6 +6,8 @@
 #   run(command="bash scripts/device-overlap.sh c", carry=[".whl"])   # 2 GPU-lane subgroups, prefetch, clipping
 #   run(command="bash scripts/device-overlap.sh d", carry=[".whl"])   # the tuned overlap schedule vs baselines
 #   run(command="bash scripts/device-overlap.sh e", carry=[".whl"])   # tuned without overlap, tuned again
+#   run(command="bash scripts/device-overlap.sh j", carry=[".whl"])   # GPU lane during backward: tests + tuned vs baselines
+#   run(command="bash scripts/device-overlap.sh k", carry=[".whl"])   # the same, A/B against the CPU-lane-only schedule
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -22,6 +24,7 @@ bench_config() {  # NAME CLIP METHODS CONFIG
     --config "$4" --output "$O/$1.json" 2>&1 | grep -v Warning | tail -16
 }
 TUNED=results/h100/tune-gpt2-1.3b-overlap/ds_config.json  # dostune tune's pick with overlap in the search
+TUNED_GB=results/h100/tune-gpt2-1.3b-overlap-gpu/ds_config.json  # ... with backward_gpu_subgroups in the search too
 S43='{"gpu_fraction":0.43,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S57='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S29='{"gpu_fraction":0.29,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
@@ -65,5 +68,14 @@ case "${1:-a}" in
     python3 -c "import json; c=json.load(open('$TUNED')); c['dostune']['overlap_backward']=False; json.dump(c, open('/tmp/nov.json','w'))"
     bench_config tuned-vs-zo-overlap-on 0 zero-offload,dostune $TUNED
     bench_config tuned-vs-zo-overlap-off 0 zero-offload,dostune /tmp/nov.json ;;
+  j)  # backward_gpu_subgroups: its GPU tests, then the tuned schedule against no offload and ZeRO-Offload
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_parity_gpu.py -k "gpu_lane_during or overflow" 2>&1 | tail -4
+    bench_config tuned-gb-clip0 0 no-offload,zero-offload,dostune $TUNED_GB
+    bench_config tuned-gb-clip1 1.0 dostune $TUNED_GB ;;
+  k)  # A/B/A/B in separate processes, each against no offload in its own process
+    for r in 1 2; do
+      bench_config tuned-gb-vs-nooffload-$r 0 no-offload,dostune $TUNED_GB
+      bench_config tuned-cpuonly-vs-nooffload-$r 0 no-offload,dostune $TUNED
+    done ;;
 esac
 echo "=== done $(date +%T)"

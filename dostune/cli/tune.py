@@ -19,18 +19,26 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _during_backward(s: dict) -> str:
+    """What the schedule updates while backward runs: the CPU lane, and how many GPU-lane subgroups."""
+    if not s.get("overlap_backward"):
+        return "no"
+    k = s.get("backward_gpu_subgroups", 0)
+    return f"CPU + {k} GPU" if k else "CPU"
+
+
 def render_trials(res: TuneResult) -> Table:
     t = Table(title=f"best schedules for {res.model} (micro-batch {res.micro_batch}, {res.precision}) on "
                     f"{Path(res.node_profile).stem}: {res.trials} trials")
     for col in ("#", "sub_group_size", "GPU subgroups", "buffers", "threads", "upload", "grads on GPU",
-                "CPU lane in bwd", "step s", "iter s", "G elem/s", "extra GiB", "peak GiB"):
+                "during bwd", "step s", "iter s", "G elem/s", "extra GiB", "peak GiB"):
         t.add_column(col, justify="right")
     for r in res.top:
         s, p = r.schedule, r.predicted
         gpu = round(s["gpu_fraction"] * r.subgroups + 1e-9)
         t.add_row(str(r.number), f"{r.sub_group_size:.0e}", f"{gpu}/{r.subgroups}", str(s["staging_buffers"]),
                   str(s.get("cpu_threads", "-")), s["upload"], "yes" if s["grads_on_gpu"] else "no",
-                  "yes" if s.get("overlap_backward") else "no", _f(p.step_s),
+                  _during_backward(s), _f(p.step_s),
                   _f(p.iter_s), _f(p.update_gelem_s, "{:.2f}"), _f(p.extra_step_gib, "{:.2f}"),
                   _f(p.peak_gpu_gib, "{:.1f}"))
     return t

@@ -38,6 +38,13 @@ from . import cpu_kernel
 from .kernels import AdamScalars
 
 
+def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bool:
+    """Whether a partial sum of squared (scaled) gradient norms already makes clipping, or a skipped step, certain:
+    the global norm can only be larger. The test DeepSpeed's clipping applies, on the partial norm."""
+    norm = float(np.sqrt(float(partial_sq)))
+    return not np.isfinite(norm) or (clip is not None and clip > 0 and norm / loss_scale + 1e-6 > clip)
+
+
 @dataclass
 class Buffers:
     p: torch.Tensor
@@ -101,6 +108,7 @@ class BackwardOverlap:
     @property
     def active(self) -> bool:
         return bool(self._queued)
+
 
     def open(self, spec_inv: Optional[float], loss_scale: float, clip: float) -> None:
         """Called at the first ready subgroup of a backward: fixes this step's Adam constants and whether
@@ -201,12 +209,10 @@ class BackwardOverlap:
     def _may_speculate(self, partial_sq) -> bool:
         if self.spec_inv is None or self._stop_speculating:
             return False
-        if partial_sq is not None and self.partial_norm_cutoff:
-            norm = float(np.sqrt(float(partial_sq)))
-            if not np.isfinite(norm) or (self.clip_threshold is not None
-                                         and norm / self.loss_scale + 1e-6 > self.clip_threshold):
-                self._stop_speculating = True  # clipping (or a skipped step) is now certain
-                return False
+        if partial_sq is not None and self.partial_norm_cutoff and \
+                clipping_certain(partial_sq, self.loss_scale, self.clip_threshold):
+            self._stop_speculating = True
+            return False
         return True
 
     def _buffers(self, i: int, io: SubgroupIO) -> Buffers:

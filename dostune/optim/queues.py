@@ -37,6 +37,19 @@ class Queues:
         ev.record(self.streams[name])
         return ev
 
+    def record_current(self):
+        """An event marking what the current stream has queued so far (a host timestamp on a CPU device)."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=self.timing)
+        ev.record()
+        return ev
+
+    def drain(self) -> None:
+        """Wait on the host until every lane stream is idle."""
+        for s in self.streams.values():
+            s.synchronize()
+
     def wait(self, name: str, event) -> None:
         if self.cuda and event is not None:
             self.streams[name].wait_event(event)

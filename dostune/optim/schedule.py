@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigError
 
@@ -55,9 +55,27 @@ class ScheduleConfig(BaseModel):
     backward_cpu_threads: Optional[int] = Field(None, ge=1, description=(
         "CPU Adam threads while backward still runs (default: one fewer than cpu_threads, leaving a core to "
         "backward's own host work)"))
+    backward_gpu_subgroups: int = Field(0, ge=0, description=(
+        "with overlap_backward: how many GPU-lane subgroups, those whose gradients are final first, are updated "
+        "during backward instead of after it. Their fp32 states stream into staging slots as backward frees "
+        "memory, the fused Adam runs as soon as their gradients are final, and the results stream back into host "
+        "shadow buffers that the step commits or recomputes like the CPU lane's. Costs 12 bytes of host memory per "
+        "parameter of those subgroups; needs grads_on_gpu"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
+
+    @model_validator(mode="after")
+    def _backward_gpu_lane_needs(self) -> "ScheduleConfig":
+        if self.backward_gpu_subgroups:
+            if not self.overlap_backward:
+                raise ValueError("backward_gpu_subgroups needs overlap_backward true")
+            if not self.grads_on_gpu:
+                raise ValueError("backward_gpu_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
+            if self.prefetch_states:
+                raise ValueError("backward_gpu_subgroups already streams states in during backward: "
+                                 "set prefetch_states false")
+        return self
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> Optional["ScheduleConfig"]:
@@ -71,7 +89,8 @@ class ScheduleConfig(BaseModel):
         try:
             return cls.model_validate(section)
         except ValidationError as e:
-            problems = "; ".join(f"'{SECTION}.{'.'.join(map(str, err['loc']))}': {err['msg']}" for err in e.errors())
+            problems = "; ".join((f"'{SECTION}.{'.'.join(map(str, err['loc']))}': " if err["loc"] else f"'{SECTION}': ")
+                                 + err["msg"].removeprefix("Value error, ") for err in e.errors())
             raise ConfigError(f"invalid DeepSpeed config: {problems}") from None
 
 
@@ -122,6 +141,14 @@ class Plan:
     def first_fills(self) -> list[GpuSlot]:
         """The GPU subgroups that fill a fresh staging slot (the ones whose states can be prefetched)."""
         return [s for s in self.gpu_slots if s.waits_for is None]
+
+
+def backward_gpu_order(plan: Plan, sched: ScheduleConfig) -> list[int]:
+    """The GPU-lane subgroups updated during backward, in the order their gradients become final: backward
+    runs from the last layer to the first and subgroups follow parameter order, so the highest index first."""
+    if not sched.overlap_backward:
+        return []
+    return sorted(plan.gpu_subgroups, reverse=True)[:sched.backward_gpu_subgroups]
 
 
 def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:

@@ -51,10 +51,11 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOpt
 
 from ..errors import ConfigError
 from .kernels import AdamScalars, LaneAdam
-from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers
+from .backward_gpu import GpuBackward, Staged
+from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping_certain
 from .pinned import PinRegistry
 from .queues import Queues
-from .schedule import GPU, Plan, ScheduleConfig, make_plan
+from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +85,30 @@ class _State:
     steps: int = 0
     # Optimizer step number the C++ Adam beta powers were last advanced to by this process (None: never).
     beta_step: Optional[int] = None
-    # States prefetched during backward: slot index -> staging tensors, subgroup -> (start, done) records.
-    prefetched_slots: dict[int, dict] = field(default_factory=dict)
+    # This iteration's GPU-lane staging slots (slot index -> tensors, and "ready": the event after which the slot
+    # may be refilled), used round robin; slot_uses counts the fills so far. prefetched: subgroup -> (start, done)
+    # of the states streamed in during backward by prefetch_states.
+    slots: dict[int, dict] = field(default_factory=dict)
+    slot_uses: int = 0
     prefetched: dict[int, tuple] = field(default_factory=dict)
     bwd_watermark: Optional[int] = None
+    gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
     overlap: Optional[BackwardOverlap] = None
     overlap_pids: dict[int, frozenset] = field(default_factory=dict)
     overlap_seen: dict[int, set] = field(default_factory=dict)
     overlap_partial: object = None
+    overlap_last: Optional[tuple] = None  # (host copy of overlap_partial, event after which it is filled)
     overlap_stats: dict = field(default_factory=lambda: {"steps": 0, "speculative": 0, "redone": 0, "committed": 0})
 
-    def reset_prefetch(self) -> None:
-        self.prefetched_slots.clear()
+    def reset_slots(self) -> None:
+        self.slots.clear()
+        self.slot_uses = 0
         self.prefetched.clear()
         self.bwd_watermark = None
+        if self.gpu_bwd is not None:
+            self.gpu_bwd.reset()
 
 
 def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
@@ -171,13 +180,16 @@ def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConf
     if available is None:
         return
     numel = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
-    cpu = make_plan(len(numel), schedule).cpu_order
-    need = 12 * sum(numel[i] for i in cpu) + 4 * max((numel[i] for i in cpu), default=0)
+    plan = make_plan(len(numel), schedule)
+    cpu = plan.cpu_order
+    gpu_bwd = backward_gpu_order(plan, schedule)
+    need = 12 * sum(numel[i] for i in cpu + gpu_bwd) + 4 * max((numel[i] for i in cpu), default=0)
     if need > 0.9 * available:
         raise ConfigError(
             f"overlap_backward needs {need / 2**30:.1f} GiB more host memory for shadow optimizer states, but only "
             f"{available / 2**30:.1f} GiB are available",
-            hint="set overlap_backward false, or raise gpu_fraction so fewer subgroups are updated on the CPU")
+            hint="set overlap_backward false, or lower backward_gpu_subgroups, or raise gpu_fraction so fewer "
+                 "subgroups are updated on the CPU")
 
 
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -222,15 +234,27 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dostune_adopt_subgroup_state(i)
         if schedule.overlap_backward and plan.cpu_order:
             self._dostune_init_overlap(lane_device)
+        order = backward_gpu_order(plan, schedule)
+        if order:
+            shadows = {}
+            for i in order:
+                n = int(self.fp16_partitioned_groups_flat_numel[i])
+                shadows[i] = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
+                for kind, t in zip(("gpu_shadow_param", "gpu_shadow_exp_avg", "gpu_shadow_exp_avg_sq"),
+                                   (shadows[i].p, shadows[i].m, shadows[i].v)):
+                    self._dos.pins.pin((i, kind), t)
+            self._dos.gpu_bwd = GpuBackward(order, {i: self._dostune_param_ids(i) for i in order}, shadows)
+
+    def _dostune_param_ids(self, i: int) -> frozenset:
+        # The same test DeepSpeed's partition_grads applies: a parameter whose partition on this rank is empty
+        # never reaches the boundary hook.
+        return frozenset(self.get_param_id(p) for p in self.fp16_groups[i]
+                         if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel)
 
     def _dostune_init_overlap(self, lane_device: torch.device) -> None:
         dos = self._dos
         for i in dos.plan.cpu_order:
-            # The same test DeepSpeed's partition_grads applies: a parameter whose partition on this rank is
-            # empty never reaches the boundary hook.
-            dos.overlap_pids[i] = frozenset(
-                self.get_param_id(p) for p in self.fp16_groups[i]
-                if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel)
+            dos.overlap_pids[i] = self._dostune_param_ids(i)
             dos.overlap_seen[i] = set()
         threads = dos.schedule.cpu_threads or torch.get_num_threads()
         bwd_threads = dos.schedule.backward_cpu_threads or max(1, threads - 1)
@@ -286,9 +310,13 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     @property
     def dostune_overlap_stats(self) -> dict:
-        """overlap_backward counters since start: steps, subgroups updated speculatively during backward,
-        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed."""
-        return dict(self._dos.overlap_stats)
+        """overlap_backward counters since start: steps, CPU-lane subgroups updated speculatively during backward,
+        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed;
+        the same three for the GPU lane's backward_gpu_subgroups under gpu_speculative, gpu_committed, gpu_redone."""
+        out = dict(self._dos.overlap_stats)
+        if self._dos.gpu_bwd is not None:
+            out.update({f"gpu_{k}": v for k, v in self._dos.gpu_bwd.stats.items()})
+        return out
 
     # ------------------------------------------------------ gradient routing
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
@@ -303,6 +331,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                                         offload_fp32_offsets)
             if dos is not None and dos.overlap is not None and i in dos.overlap_seen:
                 self._dostune_grad_final(i, self.get_param_id(param))
+            if dos is not None and dos.gpu_bwd is not None:
+                self._dostune_gpu_backward_tick()
             return
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
         buf = dos.device_grads.get(i)
@@ -312,6 +342,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.device_grads[i] = buf
         buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(
             grad_buffer.to(device=dos.lane_device, dtype=torch.float32), non_blocking=True)
+        gb = dos.gpu_bwd
+        if gb is not None:
+            if gb.grad_final(i, self.get_param_id(param)):
+                gb.ready[i] = dos.queues.record_current()  # after the copy above, on the stream that made it
+                self._dostune_add_partial_norm(gb.pids[i])  # a lower bound for the cutoff of both lanes
+            self._dostune_gpu_backward_tick()
 
     def _dostune_grad_final(self, i: int, pid: int) -> None:
         """Hand CPU-lane subgroup i to the worker once its last parameter's gradient has been copied out."""
@@ -324,17 +360,25 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if not ov.active:
             spec = ov.spec_factor(float(self.loss_scale))
             ov.open(spec, float(self.loss_scale), float(self.clip_grad))
-        # Squared norms as DeepSpeed records them for its global norm, summed on the stream that made them.
-        sq = torch.stack([self.norm_for_param_grads[p] for p in dos.overlap_pids[i]]).double().pow(2).sum()
+        host, event = self._dostune_add_partial_norm(dos.overlap_pids[i])
+        ov.ready(i, event, host)
+
+    def _dostune_add_partial_norm(self, pids: frozenset) -> tuple:
+        """Add a finalised subgroup's squared gradient norms (as DeepSpeed records them for its global norm) to
+        the running sum, on the stream that made them; returns (host copy, event after which the copy and
+        DeepSpeed's non-blocking gradient copies so far are done)."""
+        dos = self._dos
+        sq = torch.stack([self.norm_for_param_grads[p] for p in pids]).double().pow(2).sum()
         dos.overlap_partial = sq if dos.overlap_partial is None else dos.overlap_partial + sq
         if dos.queues.cuda:
             host = torch.empty((), dtype=torch.float64, pin_memory=True)
             host.copy_(dos.overlap_partial, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()  # after DeepSpeed's non-blocking gradient copies into host memory
+            event.record()
         else:
             host, event = dos.overlap_partial.clone(), None
-        ov.ready(i, event, host)
+        dos.overlap_last = (host, event)
+        return host, event
 
     def _dostune_finish_overlap(self, inv, trace: list) -> None:
         """The step's half of overlap_backward: hand the worker the real factor, wait for the CPU lane, then
@@ -363,6 +407,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for seen in dos.overlap_seen.values():
             seen.clear()
         dos.overlap_partial = None
+        dos.overlap_last = None
 
     def _dostune_slot_width(self) -> int:
         numel = self.fp16_partitioned_groups_flat_numel
@@ -378,27 +423,22 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         slot["ready"] = q.record("compute", timing=False)
         return slot
 
-    def _dostune_prefetch_tick(self) -> None:
-        """Start streaming the next first-use staging slot's states in, if backward's freed memory allows.
-        The watermark is the memory allocated when backward first finalised a gradient (about the
-        iteration's peak), so prefetching never raises the peak."""
+    def _dostune_slot_fits(self, need_grads: bool) -> bool:
+        """Whether one more staging slot fits under backward's memory watermark: the memory allocated when
+        backward first finalised a gradient (about the iteration's peak), so slots filled during backward
+        never raise the peak."""
         dos = self._dos
-        q = dos.queues
-        firsts = dos.plan.first_fills
-        if len(dos.prefetched_slots) >= len(firsts):
-            return
-        need_grads = not dos.schedule.grads_on_gpu
-        width = self._dostune_slot_width()
-        if q.cuda:
-            allocated = torch.cuda.memory_allocated(dos.lane_device)
-            if dos.bwd_watermark is None:
-                dos.bwd_watermark = allocated
-            if allocated + width * 4 * (4 if need_grads else 3) > dos.bwd_watermark:
-                return
-        gs = firsts[len(dos.prefetched_slots)]
-        slot = self._dostune_new_slot(width, need_grads)
-        dos.prefetched_slots[gs.slot] = slot
-        i, n = gs.subgroup, int(self.fp16_partitioned_groups_flat_numel[gs.subgroup])
+        if not dos.queues.cuda:
+            return True
+        allocated = torch.cuda.memory_allocated(dos.lane_device)
+        if dos.bwd_watermark is None:
+            dos.bwd_watermark = allocated
+        return allocated + self._dostune_slot_width() * 4 * (4 if need_grads else 3) <= dos.bwd_watermark
+
+    def _dostune_stage(self, i: int, slot: dict) -> tuple:
+        """Queue subgroup i's fp32 params and Adam states into ``slot`` once the slot is free; (start, done)."""
+        q = self._dos.queues
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
         fp32 = self.fp32_partitioned_groups_flat[i]
         state = self.optimizer.state[fp32]
         with torch.no_grad(), q.on("h2d"):
@@ -407,7 +447,129 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             slot["p"][:n].copy_(fp32.data, non_blocking=True)
             slot["m"][:n].copy_(state["exp_avg"], non_blocking=True)
             slot["v"][:n].copy_(state["exp_avg_sq"], non_blocking=True)
-            dos.prefetched[i] = (t_in, q.record("h2d"))
+            return t_in, q.record("h2d")
+
+    def _dostune_prefetch_tick(self) -> None:
+        """Start streaming the next first-use staging slot's states in, if backward's freed memory allows."""
+        dos = self._dos
+        firsts = dos.plan.first_fills
+        if len(dos.slots) >= len(firsts):
+            return
+        need_grads = not dos.schedule.grads_on_gpu
+        if not self._dostune_slot_fits(need_grads):
+            return
+        gs = firsts[len(dos.slots)]
+        slot = self._dostune_new_slot(self._dostune_slot_width(), need_grads)
+        dos.slots[gs.slot] = slot
+        dos.prefetched[gs.subgroup] = self._dostune_stage(gs.subgroup, slot)
+
+    def _dostune_gpu_backward_tick(self) -> None:
+        """Advance the GPU lane during backward (see backward_gpu.py): stage the next subgroups' states into free
+        slots, then launch, in order, those whose gradients are final. Nothing here blocks the host."""
+        while self._dostune_gpu_backward_stage() | self._dostune_gpu_backward_launch():
+            pass  # a launch frees a slot for the next stage, a stage may make the next launch possible
+
+    def _dostune_gpu_backward_stage(self) -> bool:
+        dos = self._dos
+        gb = dos.gpu_bwd
+        nslots = min(dos.schedule.staging_buffers, len(dos.plan.gpu_slots))
+        progressed = False
+        while (i := gb.next_to_stage()) is not None:
+            idx = dos.slot_uses % nslots
+            if gb.waiting_in_slot(idx):
+                break
+            slot = dos.slots.get(idx)
+            if slot is None:
+                if not self._dostune_slot_fits(False):
+                    break
+                slot = dos.slots[idx] = self._dostune_new_slot(self._dostune_slot_width(), False)
+            dos.slot_uses += 1
+            gb.staged[i] = Staged(idx, *self._dostune_stage(i, slot))
+            progressed = True
+        return progressed
+
+    def _dostune_gpu_backward_launch(self) -> bool:
+        dos = self._dos
+        gb, q = dos.gpu_bwd, dos.queues
+        progressed = False
+        while (i := gb.next_to_launch()) is not None:
+            if gb.spec_inv is None:  # first launch of this backward: fix the step's constants
+                gb.spec_inv = BackwardOverlap.spec_factor(float(self.loss_scale))
+                self._dostune_sync_beta_powers()
+                gb.scalars = self._dostune_step_scalars()
+            if self._dostune_clipping_certain():
+                gb.stopped = True  # leave the rest to the step, which knows the real factor
+                break
+            st = gb.staged[i]
+            slot, n = dos.slots[st.slot], int(self.fp16_partitioned_groups_flat_numel[i])
+            p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
+            g = dos.device_grads[i]
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+            with torch.no_grad():
+                with q.on("compute"):
+                    q.wait("compute", st.h2d_done)
+                    q.wait("compute", gb.ready[i])
+                    t_c = q.record("compute")
+                    # On a CPU device the lane's kernel scales the gradient in place; a redo needs it unscaled.
+                    dos.lane_adam.update(p, g if q.cuda else g.clone(), m, v, self.fp16_partitioned_groups_flat[i],
+                                         gb.spec_inv, self.optimizer.state[fp32]["step"] + 1, group, gb.scalars.get(i))
+                    c_done = q.record("compute")
+                with q.on("d2h"):
+                    q.wait("d2h", c_done)
+                    t_out = q.record("d2h")
+                    sh = gb.shadows[i]
+                    sh.p.copy_(p, non_blocking=True)
+                    sh.m.copy_(m, non_blocking=True)
+                    sh.v.copy_(v, non_blocking=True)
+                    slot["ready"] = q.record("d2h")
+            gb.launched.append(i)
+            gb.trace += [("h2d", i, st.h2d_start, st.h2d_done), ("gpu", i, t_c, c_done),
+                         ("d2h", i, t_out, slot["ready"])]
+            progressed = True
+        return progressed
+
+    def _dostune_clipping_certain(self) -> bool:
+        """The CPU lane's cutoff, read without waiting on the GPU: the partial norm of the subgroups final so
+        far, if its copy to the host has landed (one still in flight counts as not known yet)."""
+        dos = self._dos
+        if (dos.overlap is not None and not dos.overlap.partial_norm_cutoff) or dos.overlap_last is None:
+            return False
+        host, event = dos.overlap_last
+        if event is not None and not event.query():
+            return False
+        return clipping_certain(host, float(self.loss_scale), float(self.clip_grad))
+
+    def _dostune_finish_gpu_backward(self, inv_f: Optional[float], trace: list) -> set:
+        """The step's half of the GPU lane during backward: swap in the speculative results when the real factor
+        is the assumed one; ``inv_f`` None (skipped step): undo their half-precision writes. Returns the
+        subgroups that are done."""
+        dos = self._dos
+        gb = dos.gpu_bwd
+        launched = list(gb.launched)
+        gb.stats["speculative"] += len(launched)
+        trace += gb.trace
+        if dos.overlap is None:  # else the CPU lane's finish resets the running norm
+            self._dostune_reset_overlap()
+        if inv_f is None:
+            if launched:
+                dos.queues.drain()  # the speculative kernels have written the half-precision partitions
+                for i in launched:
+                    half = self.fp16_partitioned_groups_flat[i]
+                    half.copy_(self.fp32_partitioned_groups_flat[i].data.to(half.dtype))
+            return set()
+        if gb.spec_inv is None or inv_f != gb.spec_inv:
+            gb.stats["redone"] += len(launched)
+            return set()
+        for i in launched:
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            state = self.optimizer.state[fp32]
+            new = gb.shadows[i]
+            gb.shadows[i] = Buffers(fp32.data, state["exp_avg"], state["exp_avg_sq"])
+            fp32.data, state["exp_avg"], state["exp_avg_sq"] = new.p, new.m, new.v
+            state["step"] += 1
+        gb.stats["committed"] += len(launched)
+        return set(launched)
 
     # ------------------------------------------------------------------ step
     def step(self, closure=None):
@@ -427,8 +589,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(scaled_global_grad_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
+            if self._dos.gpu_bwd is not None:
+                self._dostune_finish_gpu_backward(None, [])
+            self._dos.queues.drain()  # staging slots filled during backward may still be in flight
             self._dos.device_grads.clear()
-            self._dos.reset_prefetch()
+            self._dos.reset_slots()
             if self._dos.overlap is not None:
                 self._dostune_finish_overlap(None, [])
             return
@@ -495,7 +660,9 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         if dos.overlap is not None:
             dos.overlap.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
-        slots = self._dostune_queue_gpu_lane(inv_f, trace)
+        scalars = self._dostune_step_scalars()  # likewise for the GPU lane
+        done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(float(np.float32(inv_f)), trace)
+        self._dostune_queue_gpu_lane(inv_f, trace, [i for i in plan.gpu_subgroups if i not in done], scalars)
         if dos.overlap is not None:
             self._dostune_finish_overlap(inv, trace)
         else:
@@ -509,9 +676,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for i in range(len(self.fp16_groups)):
             self._unflatten_partitioned_parameters(i)
         q.join()
-        del slots  # safe: the lanes' streams are drained and the default stream waits on them
         dos.device_grads.clear()
-        dos.reset_prefetch()
+        dos.reset_slots()  # safe: the lanes' streams are drained and the default stream waits on them
         if sched.trace:
             dos.last_trace = self._dostune_resolve_trace(trace, start_ev, t_host0)
 
@@ -523,30 +689,39 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if stale:
             self._dostune_adopt_subgroup_state(i)
 
-    def _dostune_queue_gpu_lane(self, inv: float, trace: list) -> list:
-        """Queue every GPU-lane subgroup: H2D into a staging slot, fused Adam, convert, D2H.
-        Nothing here blocks the host."""
+    def _dostune_queue_gpu_lane(self, inv: float, trace: list, todo: list[int], scalars: dict) -> None:
+        """Queue the GPU-lane subgroups ``todo``: H2D into a staging slot (unless their states came in during
+        backward), fused Adam, convert, D2H. Slots are reused round robin, each refill waiting for the slot's
+        previous write-back. Nothing here blocks the host."""
         dos = self._dos
         q, sched = dos.queues, dos.schedule
-        if not dos.plan.gpu_slots:
-            return []
+        if not todo:
+            return
         numel = self.fp16_partitioned_groups_flat_numel
         width = self._dostune_slot_width()
         need_grads = not sched.grads_on_gpu
         dev = dos.lane_device
-        slots = [dos.prefetched_slots.get(k) or self._dostune_new_slot(width, need_grads)
-                 for k in range(min(sched.staging_buffers, len(dos.plan.gpu_slots)))]
-        slot_ready = [slot["ready"] for slot in slots]
-        d2h_done: dict[int, object] = {}
-        scalars = self._dostune_step_scalars()
-        for gs in dos.plan.gpu_slots:
-            i, n, slot = gs.subgroup, int(numel[gs.subgroup]), slots[gs.slot]
+        nslots = min(sched.staging_buffers, len(dos.plan.gpu_slots))
+        gb = dos.gpu_bwd
+        waiting = gb.unlaunched_staged() if gb is not None else []
+        # Subgroups staged during backward but not launched go first: they hold their slots.
+        for i in waiting + [i for i in todo if i not in waiting]:
+            n = int(numel[i])
             fp32 = self.fp32_partitioned_groups_flat[i]
             state = self.optimizer.state[fp32]
+            if i in waiting:
+                st = gb.staged[i]
+                idx, early = st.slot, (st.h2d_start, st.h2d_done)
+            else:
+                idx = dos.slot_uses % nslots
+                dos.slot_uses += 1
+                early = dos.prefetched.get(i)  # prefetch_states fills slot k with the k-th subgroup
+            slot = dos.slots.get(idx)
+            if slot is None:
+                slot = dos.slots[idx] = self._dostune_new_slot(width, need_grads)
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
-            early = dos.prefetched.get(i) if gs.waits_for is None else None
             with q.on("h2d"):
-                q.wait("h2d", slot_ready[gs.slot] if gs.waits_for is None else d2h_done[gs.waits_for])
+                q.wait("h2d", slot["ready"])
                 if early is not None:  # params and states came in during backward
                     trace.append(("h2d", i, *early))
                 else:
@@ -575,11 +750,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 fp32.data.copy_(p, non_blocking=True)
                 state["exp_avg"].copy_(m, non_blocking=True)
                 state["exp_avg_sq"].copy_(v, non_blocking=True)
-                d2h_done[i] = q.record("d2h")
+                slot["ready"] = q.record("d2h")
             if early is None or need_grads:
                 trace.append(("h2d", i, t_in, h2d_done))
-            trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, d2h_done[i])]
-        return slots
+            trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, slot["ready"])]
 
     def _dostune_step_scalars(self, which: Optional[frozenset] = None) -> dict[int, AdamScalars]:
         """The float constants DeepSpeed's C++ Adam would use for each subgroup in ``which`` (default: the GPU

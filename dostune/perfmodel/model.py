@@ -95,6 +95,22 @@ def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[f
     return out
 
 
+def _compose(*segment_lists: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """Sorted, disjoint (start, end, slowdown) segments from several lists that may overlap: where they do,
+    their slowdowns multiply."""
+    cuts = sorted({t for segs in segment_lists for a, b, _ in segs for t in (a, b)})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        slow = 1.0
+        for segs in segment_lists:
+            for x, y, k in segs:
+                if x <= a and b <= y:
+                    slow *= k
+        if slow != 1.0:
+            out.append((a, b, slow))
+    return out
+
+
 def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> float:
     """Host time of one CPU-lane subgroup, uncontended: unscale, DeepSpeedCPUAdam (and the CPU conversion
     when half precision is produced on the CPU)."""
@@ -106,7 +122,7 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
                   iterations: int = 4, backward_s: Optional[float] = None,
-                  ready_fraction: Optional[Sequence[float]] = None) -> StepPrediction:
+                  ready_fraction: Optional[Sequence[float]] = None, slots_free_at: float = 0.0) -> StepPrediction:
     """``backward_s``: how long backward runs (None: unknown; a prefetch then counts it as long enough). With
     ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
     in during that window, so the step's H2D for them carries at most the gradients.
@@ -114,7 +130,11 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     With ``overlap_backward`` and both the backward time and ``ready_fraction`` (how far into backward each
     subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
     (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower),
-    produces half precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step."""
+    produces half precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step.
+    The first ``backward_gpu_subgroups`` GPU-lane subgroups in backward order (highest index first) then run
+    during backward too: their states stream in once the staging slots fit (``slots_free_at``: the fraction of
+    backward after which backward has freed enough memory for them), the kernel starts when their gradients are
+    final, and the write-back follows; the rest of the GPU lane runs in the step."""
     threads = sched.cpu_threads or inp.default_threads
     if threads not in inp.cpu_adam:
         threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
@@ -125,15 +145,20 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     in_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
     up_bytes = 4 if sched.upload == "gpu_convert" else 2
 
+    overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
+    bwd = backward_s if overlap else 0.0
+    bwd_gpu = sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups] if overlap else []
+
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
-    h2d_free = comp_free = d2h_free = 0.0
+    h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else 0.0
     d2h_end: list[float] = []
     window = float("inf") if backward_s is None else backward_s
-    for k, i in enumerate(gpu):
+    for k, i in enumerate(bwd_gpu + [j for j in gpu if j not in bwd_gpu]):
         s = sizes[i]
-        ready = d2h_end[k - nbuf] if k >= nbuf else 0.0
-        start = max(h2d_free, ready)
+        during = i in bwd_gpu
+        ready = d2h_end[k - nbuf] if k >= nbuf else (bwd * (slots_free_at - 1.0) if during else 0.0)
+        start = max(h2d_free, ready, -bwd if during else 0.0)
         rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
         copy = rate.t(in_bytes * s)
         if sched.prefetch_states and k < nbuf:  # states already (partly) in from backward's idle H2D
@@ -144,7 +169,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         if end > start:
             spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
         h2d_free = end
-        c0 = max(end, comp_free)
+        c0 = max(end, comp_free, bwd * (ready_fraction[i] - 1.0) if during else 0.0)
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
@@ -156,8 +181,6 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
-    overlap = bool(sched.overlap_backward and cpu and backward_s and ready_fraction is not None)
-    bwd = backward_s if overlap else 0.0
     if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
         cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
         up_bytes = 2
@@ -174,7 +197,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             if overlap:
                 t = max(t, bwd * (ready_fraction[j] - 1.0))
             end = _advance(t, cpu_lane_seconds(s, inp, threads, "cpu_convert" if overlap else sched.upload),
-                           bwd_segment + dma)
+                           _compose(bwd_segment, dma))
             cpu_spans.append(SimSpan("cpu", j, t, end))
             t = end
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
@@ -272,6 +295,8 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
         pinned += 2 * 2 * max(sizes[i] for i in cpu)
     if sched.overlap_backward:  # the shadow fp32 params and Adam states of every CPU-lane subgroup
         pinned += STATE_BYTES * sum(sizes[i] for i in cpu)
+        # and of the GPU-lane subgroups updated during backward
+        pinned += STATE_BYTES * sum(sizes[i] for i in sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups])
     return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
                             pinned_host_gib=pinned / GiB)
 
@@ -385,10 +410,23 @@ class Prediction:
         return sum(self.sizes) / self.step_s / 1e9
 
 
+def slots_free_fraction(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs) -> float:
+    """How far into backward (0..1) it has freed enough memory for the GPU lane's staging slots: backward's memory
+    is taken to fall linearly from its peak to the step's level (as in ``predict_memory``). 0 when unknown."""
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
+    if not gpu or m.peak_bwd_gib is None or m.peak_step_gib is None:
+        return 0.0
+    freed = m.peak_bwd_gib - m.peak_step_gib
+    need = min(sched.staging_buffers, len(gpu)) * max(gpu) * STATE_BYTES / GiB
+    return 1.0 if freed <= 0 else min(1.0, need / freed)
+
+
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
             overhead_s: float, grad_alloc: Optional[Sequence[float]] = None,
             grad_ready: Optional[Sequence[float]] = None) -> Prediction:
-    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready)
+    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready,
+                         slots_free_at=slots_free_fraction(sizes, sched, m) if sched.backward_gpu_subgroups else 0.0)
     return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
                       memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
