@@ -75,6 +75,8 @@ def test_grad_accumulation_and_lr_schedule():
 
 def no_partial_norm_cutoff(opt):
     opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+    # The tiny test model frees no memory during backward: let the GPU lane's slots in regardless.
+    opt._dos.slot_watermark = False
 
 
 def lane_counts(schedule: str) -> tuple[int, int]:

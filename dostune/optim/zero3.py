@@ -92,6 +92,7 @@ class _State:
     slot_uses: int = 0
     prefetched: dict[int, tuple] = field(default_factory=dict)
     bwd_watermark: Optional[int] = None
+    slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
     gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
@@ -428,7 +429,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         backward first finalised a gradient (about the iteration's peak), so slots filled during backward
         never raise the peak."""
         dos = self._dos
-        if not dos.queues.cuda:
+        if not dos.queues.cuda or not dos.slot_watermark:
             return True
         allocated = torch.cuda.memory_allocated(dos.lane_device)
         if dos.bwd_watermark is None:
