@@ -341,8 +341,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
                               device=dos.lane_device)
             dos.device_grads[i] = buf
-        buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(
-            grad_buffer.to(device=dos.lane_device, dtype=torch.float32), non_blocking=True)
+        # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
+        buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(grad_buffer, non_blocking=True)
         gb = dos.gpu_bwd
         if gb is not None:
             if gb.grad_final(i, self.get_param_id(param)):
