@@ -7,7 +7,7 @@
 #   run(command="bash scripts/device-overlap.sh d", carry=[".whl"])   # the tuned overlap schedule vs baselines
 #   run(command="bash scripts/device-overlap.sh e", carry=[".whl"])   # tuned without overlap, tuned again
 #   run(command="bash scripts/device-overlap.sh j", carry=[".whl"])   # GPU lane during backward: tests + tuned vs baselines
-#   run(command="bash scripts/device-overlap.sh k", carry=[".whl"])   # the same, A/B against the CPU-lane-only schedule
+#   run(command="bash scripts/device-overlap.sh l", carry=[".whl"])   # 3 of them during backward; CPU-lane-only schedule
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -24,7 +24,7 @@ bench_config() {  # NAME CLIP METHODS CONFIG
     --config "$4" --output "$O/$1.json" 2>&1 | grep -v Warning | tail -16
 }
 TUNED=results/h100/tune-gpt2-1.3b-overlap/ds_config.json  # dostune tune's pick with overlap in the search
-TUNED_GB=results/h100/tune-gpt2-1.3b-overlap-gpu/ds_config.json  # ... with backward_gpu_subgroups in the search too
+TUNED_GB=results/h100/overlap-gpu-lane-gpt2-1.3b/ds_config.json  # 7 of 14 on the GPU lane, all 7 during backward
 S43='{"gpu_fraction":0.43,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S57='{"gpu_fraction":0.5714,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
 S29='{"gpu_fraction":0.29,"gpu_placement":"first","cpu_threads":16,"overlap_backward":true}'
@@ -70,12 +70,10 @@ case "${1:-a}" in
     bench_config tuned-vs-zo-overlap-off 0 zero-offload,dostune /tmp/nov.json ;;
   j)  # backward_gpu_subgroups: its GPU tests, then the tuned schedule against no offload and ZeRO-Offload
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_parity_gpu.py -k "gpu_lane_during or overflow" 2>&1 | tail -4
-    bench_config tuned-gb-clip0 0 no-offload,zero-offload,dostune $TUNED_GB
-    bench_config tuned-gb-clip1 1.0 dostune $TUNED_GB ;;
-  k)  # A/B/A/B in separate processes, each against no offload in its own process
-    for r in 1 2; do
-      bench_config tuned-gb-vs-nooffload-$r 0 no-offload,dostune $TUNED_GB
-      bench_config tuned-cpuonly-vs-nooffload-$r 0 no-offload,dostune $TUNED
-    done ;;
+    bench_config gb7-clip0 0 no-offload,zero-offload,dostune $TUNED_GB
+    bench_config gb7-clip1 1.0 dostune $TUNED_GB ;;
+  l)  # 3 of the 7 GPU-lane subgroups during backward vs baselines; the CPU-lane-only tuned schedule on the same machine
+    bench_config gb3-clip0 0 no-offload,zero-offload,dostune results/h100/overlap-gpu-lane-gpt2-1.3b/ds_config-backward-gpu-3.json
+    bench_config tuned-cpuonly-clip0-same-machine 0 no-offload,dostune $TUNED ;;
 esac
 echo "=== done $(date +%T)"

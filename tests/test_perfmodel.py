@@ -89,6 +89,25 @@ def test_overlap_backward_by_hand():
                                                                                          cpu_threads=16), n).lanes_s
 
 
+def test_gpu_lane_during_backward_by_hand():
+    n = node()
+    sizes = [1_000_000_000, 1_000_000_000]
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, overlap_backward=True, backward_gpu_subgroups=1)
+    # subgroup 1 is final halfway through a 2 s backward: states in from backward's start, kernel at -1.0 s,
+    # write-back at the duplex rate; subgroup 0 runs in the step (in at the duplex rate, out alone)
+    p = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.5])
+    by = {(x.lane, x.subgroup): x for x in p.spans}
+    assert by["h2d", 1].start == pytest.approx(-2.0) and by["h2d", 1].end == pytest.approx(-2.0 + 12e9 / 50e9)
+    assert by["gpu", 1].start == pytest.approx(-1.0)
+    assert by["d2h", 1].end == pytest.approx(-1.0 + 1e9 / 100e9 + 12e9 / 40e9)
+    assert p.lanes_s == pytest.approx(12e9 / 40e9 + 1e9 / 100e9 + 12e9 / 50e9)
+    in_step = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, overlap_backward=True)
+    assert p.lanes_s < simulate_step(sizes, in_step, n, backward_s=2.0, ready_fraction=[1.0, 0.5]).lanes_s
+    # slots that fit only 75% into backward: the states stream in from -0.5 s
+    late = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.5], slots_free_at=0.75)
+    assert next(x for x in late.spans if x.lane == "h2d" and x.subgroup == 1).start == pytest.approx(-0.5)
+
+
 def test_grad_ready_fractions_interpolate_the_profile():
     # profile: two subgroups of 100 elements, final at 0.8 s and 0.2 s of a 1 s backward
     assert grad_ready_fractions([50, 100, 50], [100, 100], [0.8, 0.2], 1.0) == [0.8, 0.8, 0.2]

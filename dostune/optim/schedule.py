@@ -60,7 +60,8 @@ class ScheduleConfig(BaseModel):
         "during backward instead of after it. Their fp32 states stream into staging slots as backward frees "
         "memory, the fused Adam runs as soon as their gradients are final, and the results stream back into host "
         "shadow buffers that the step commits or recomputes like the CPU lane's. Costs 12 bytes of host memory per "
-        "parameter of those subgroups; needs grads_on_gpu"))
+        "parameter of those subgroups; needs grads_on_gpu. 0 by default and not searched by dostune tune: on the H100 "
+        "with gpt2-1.3b it emptied the step but slowed backward by more (results/h100/overlap-gpu-lane-gpt2-1.3b)"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")

@@ -24,7 +24,7 @@ from ..profile.paths import shipped_profile
 from ..profile.record import NodeProfile, load_node_profile
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
-from .space import UPLOADS, Candidate, Space, backward_gpu_count
+from .space import UPLOADS, Candidate, Space
 
 SAMPLERS = ("tpe", "random", "qmc")
 
@@ -134,9 +134,8 @@ def trial_record(space: Space, c: Candidate, p: Prediction, number: Optional[int
 def _candidate(space: Space, params: dict) -> Candidate:
     sgs = params["sub_group_size"]
     n = len(space.sizes(sgs))
-    k = round(params["gpu_share"] * n)
-    return Candidate(sgs, k, params["staging_buffers"], params["cpu_threads"], params["upload"], params["grads_on_gpu"],
-                     params.get("overlap_backward", False), backward_gpu_count(k, params.get("backward_gpu_share", 0.0)))
+    return Candidate(sgs, round(params["gpu_share"] * n), params["staging_buffers"], params["cpu_threads"],
+                     params["upload"], params["grads_on_gpu"], params.get("overlap_backward", False))
 
 
 def _sampler(name: str, seed: int):
@@ -151,9 +150,9 @@ def _sampler(name: str, seed: int):
     raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
 
 
-# Bumped whenever the searched parameters change (2: overlap_backward, 3: backward_gpu_subgroups), so that a
-# stored study from an older search is not resumed as if its trials had explored the new space.
-SEARCH_SPACE_VERSION = 3
+# Bumped whenever the searched parameters change (2: overlap_backward), so that a stored study from an older
+# search is not resumed as if its trials had explored the new space.
+SEARCH_SPACE_VERSION = 2
 
 
 def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
@@ -185,29 +184,22 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
     if not study.trials:
         for c in space.closed_form_candidates():
             n = len(space.sizes(c.sub_group_size))
-            extra = {}
-            if space.overlap_possible:
-                extra["overlap_backward"] = c.overlap_backward
-                if c.overlap_backward and c.grads_on_gpu:
-                    extra["backward_gpu_share"] = c.backward_gpu / c.gpu_count if c.gpu_count else 0.0
             study.enqueue_trial({"sub_group_size": c.sub_group_size, "gpu_share": c.gpu_count / n,
                                  "staging_buffers": c.staging_buffers, "cpu_threads": c.cpu_threads,
-                                 "upload": c.upload, "grads_on_gpu": c.grads_on_gpu, **extra})
+                                 "upload": c.upload, "grads_on_gpu": c.grads_on_gpu,
+                                 **({"overlap_backward": c.overlap_backward} if space.overlap_possible else {})})
 
     def objective(trial):
-        params = {
+        c = _candidate(space, {
             "sub_group_size": trial.suggest_categorical("sub_group_size", space.sub_group_sizes),
             "gpu_share": trial.suggest_float("gpu_share", 0.0, 1.0),
             "staging_buffers": trial.suggest_int("staging_buffers", 1, 4),
             "cpu_threads": trial.suggest_categorical("cpu_threads", space.threads),
             "upload": trial.suggest_categorical("upload", list(UPLOADS)),
             "grads_on_gpu": trial.suggest_categorical("grads_on_gpu", [True, False]),
-        }
-        if space.overlap_possible:
-            params["overlap_backward"] = trial.suggest_categorical("overlap_backward", [False, True])
-            if params["overlap_backward"] and params["grads_on_gpu"]:  # the GPU lane during backward reads kept grads
-                params["backward_gpu_share"] = trial.suggest_float("backward_gpu_share", 0.0, 1.0)
-        c = _candidate(space, params)
+            **({"overlap_backward": trial.suggest_categorical("overlap_backward", [False, True])}
+               if space.overlap_possible else {}),
+        })
         p = space.evaluate(c)
         budget_over, peak_over = space.violations(p)
         # Optuna's constrained sampling (TPE) steers away from trials with positive values

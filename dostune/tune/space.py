@@ -15,12 +15,6 @@ from ..perfmodel.subgroups import subgroup_sizes
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
 UPLOADS = ("gpu_convert", "cpu_convert")
-BACKWARD_GPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def backward_gpu_count(gpu_count: int, share: float) -> int:
-    """GPU-lane subgroups updated during backward for a share of the GPU lane."""
-    return round(share * gpu_count)
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,6 @@ class Candidate:
     upload: str
     grads_on_gpu: bool
     overlap_backward: bool = False
-    backward_gpu: int = 0  # GPU-lane subgroups updated during backward (with overlap_backward and kept gradients)
 
 
 class Space:
@@ -86,9 +79,7 @@ class Space:
         # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
         return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
                               cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
-                              overlap_backward=c.overlap_backward,
-                              backward_gpu_subgroups=c.backward_gpu if (c.overlap_backward and c.grads_on_gpu) else 0,
-                              expected_subgroups=n)
+                              overlap_backward=c.overlap_backward, expected_subgroups=n)
 
     def evaluate(self, c: Candidate) -> Prediction:
         return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c), self.node, self.model,
@@ -112,13 +103,8 @@ class Space:
         for sgs in self.sub_group_sizes:
             for buffers in (2, 4):
                 yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f), buffers, t, "gpu_convert", True)
-            if self.overlap_possible:
-                # the CPU lane alone hides under backward: give it the larger share
+            if self.overlap_possible:  # the CPU lane hides under backward: give it the larger share
                 yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), 2, t, "gpu_convert", True, True)
-                # both lanes do: keep the balance of the step without overlap, with a slot more (backward's freed
-                # memory holds it)
-                k = gpu_count_for_share(self.sizes(sgs), f)
-                yield Candidate(sgs, k, 3, t, "gpu_convert", True, True, k)
 
     @property
     def overlap_possible(self) -> bool:
@@ -126,15 +112,12 @@ class Space:
         return self.model.bwd_s is not None and self.grad_ready(self.sub_group_sizes[0]) is not None
 
     def all_candidates(self) -> Iterator[Candidate]:
-        """The discrete space, except that the GPU-lane subgroups updated during backward take only the shares
-        BACKWARD_GPU_SHARES of the GPU lane (all counts would square the size of the space)."""
         overlaps = (False, True) if self.overlap_possible else (False,)
         for sgs in self.sub_group_sizes:
             n = len(self.sizes(sgs))
             for k, b, t, u, g, o in itertools.product(range(n + 1), BUFFERS, self.threads, UPLOADS, (True, False),
                                                       overlaps):
-                for bg in sorted({backward_gpu_count(k, x) for x in BACKWARD_GPU_SHARES} if (o and g) else {0}):
-                    yield Candidate(sgs, k, b, t, u, g, o, bg)
+                yield Candidate(sgs, k, b, t, u, g, o)
 
 
 def brute_force(space: Space) -> tuple[Candidate, Prediction]:
