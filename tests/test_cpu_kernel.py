@@ -68,3 +68,22 @@ def test_rejects_mismatched_buffers():
         cpu_kernel.adam_out_of_place(t, t, t, t, torch.zeros(8), torch.zeros(7), torch.zeros(8), s)
     with pytest.raises(ValueError, match="half_out"):
         cpu_kernel.adam_out_of_place(t, t, t, t, t.clone(), t.clone(), t.clone(), s, half_out=torch.zeros(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [5, 1_000_003])
+def test_half_precision_gradients_equal_their_fp32_widening(dtype, n):
+    """A bf16/fp16 gradient read directly gives the same update as DeepSpeed's fp32 copy of it (``.to(fp32)``),
+    including inf and nan (an overflow step)."""
+    shadow = AdamScalarShadow(0.9, 0.95)
+    shadow.increment(1, 0.9, 0.95)
+    s = shadow.scalars(1e-3, 1e-8, 0.1, True, True)
+    gen = torch.Generator().manual_seed(n)
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    g = (torch.randn(n, generator=gen) * 3).to(dtype)
+    g[1], g[2] = float("inf"), float("nan")
+    ref, ours = [torch.empty(n) for _ in range(3)], [torch.empty(n) for _ in range(3)]
+    cpu_kernel.adam_out_of_place(p, g.float(), m, v, *ref, s, inv_scale=0.25)
+    cpu_kernel.adam_out_of_place(p, g, m, v, *ours, s, inv_scale=0.25)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])

@@ -208,3 +208,26 @@ def test_states_are_prefetched_during_backward_and_released_after_the_step():
             assert len(early) == 2 and all(s.start < 0 for s in early)  # before the step began
     finally:
         engine.destroy()
+
+
+def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():
+    """The saving is real only if the fast path is taken: every subgroup maps onto DeepSpeed's gradient-partition
+    buffer, and the CPU lane during backward reads its gradients there (no fp32 copy)."""
+    from dostune.dsconfig import OffloadSettings, deepspeed_config
+    from dostune.models.registry import resolve_model
+    from dostune.train.engine import build_engine
+
+    from parity_helpers import MODEL, SUB_GROUP_SIZE
+
+    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(sub_group_size=SUB_GROUP_SIZE,
+                                                                            schedule=SCHEDULES["overlap"]))
+    engine = build_engine(resolve_model(MODEL), cfg, seed=0, use_dostune=True)
+    opt = engine.optimizer
+    try:
+        assert sorted(opt._dos.grad_slices) == list(range(len(opt.fp16_groups)))
+        flat = opt.grad_partitions_flat_buffer
+        for i in opt.dostune_plan.cpu_order:
+            g = opt._dostune_subgroup_io(i).grad
+            assert g.dtype == torch.bfloat16 and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    finally:
+        engine.destroy()

@@ -24,6 +24,7 @@ _SOURCE = Path(__file__).with_name("cpu_adam_oop.c")
 # the correctly rounded sqrt vectorise; -march=native because the cache key includes this CPU.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _HALF_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_GRAD_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
 _lib = None
 
@@ -75,8 +76,8 @@ def load() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(_build()))
             f = lib.dostune_adam_oop
             f.restype = None
-            f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                                                  ctypes.POINTER(_Scalars), ctypes.c_int]
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + \
+                [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(_Scalars), ctypes.c_int]
             _lib = lib
         return _lib
 
@@ -90,11 +91,13 @@ def _check(name: str, t: torch.Tensor, n: int, dtype=torch.float32) -> None:
 def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale: float = 1.0,
                       half_out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> None:
     """One DeepSpeed-exact Adam step from (p, m, v) and gradient g into (p_out, m_out, v_out), as if
-    ``g.mul_(inv_scale)`` and DeepSpeedCPUAdam had run in place on the whole tensor. ``half_out`` (bf16 or
-    fp16) receives the new params rounded to nearest even, as ``half.copy_(p_out)`` would."""
+    ``g.mul_(inv_scale)`` and DeepSpeedCPUAdam had run in place on the whole tensor. ``g`` may be bf16 or fp16:
+    it is widened exactly, as DeepSpeed's ``.to(float32)`` of the gradient is. ``half_out`` (bf16 or fp16)
+    receives the new params rounded to nearest even, as ``half.copy_(p_out)`` would."""
     n = p.numel()
-    for name, t in (("p", p), ("g", g), ("m", m), ("v", v), ("p_out", p_out), ("m_out", m_out), ("v_out", v_out)):
+    for name, t in (("p", p), ("m", m), ("v", v), ("p_out", p_out), ("m_out", m_out), ("v_out", v_out)):
         _check(name, t, n)
+    _check("g", g, n, g.dtype if g.dtype in _GRAD_KIND else torch.float32)
     if half_out is not None:
         if half_out.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"half_out must be bfloat16 or float16, got {half_out.dtype}")
@@ -104,7 +107,7 @@ def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale
     width = cpu_adam_simd_width()
     sc = _Scalars(s.beta1, s.beta2, s.beta1_minus1, s.beta2_minus1, s.bias_correction2, s.eps, s.step_size,
                   s.decay, int(s.has_decay), int(s.adamw))
-    load().dostune_adam_oop(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p_out.data_ptr(),
+    load().dostune_adam_oop(p.data_ptr(), g.data_ptr(), _GRAD_KIND[g.dtype], m.data_ptr(), v.data_ptr(), p_out.data_ptr(),
                             m_out.data_ptr(), v_out.data_ptr(),
                             half_out.data_ptr() if half_out is not None else None,
                             _HALF_KIND[half_out.dtype if half_out is not None else None], n,
