@@ -1,9 +1,12 @@
-"""On the GPU machine: where does backward's time go with a given dostune schedule? Builds gpt2-1.3b (bf16, micro-batch
-8, seq 1024) under the config, runs warm-up iterations, then records one iteration with torch.profiler and prints
-the host-side CUDA calls and the GPU kernels/copies that took longest, with forward/backward/step times.
-    python3 scripts/device-profile-backward.py CONFIG [backward_gpu_subgroups ...]
-Each extra argument re-runs with the dostune section's backward_gpu_subgroups set to it (timings only)."""
+"""On the GPU machine: forward/backward/step of gpt2-1.3b (bf16, micro-batch 8, seq 1024, no clipping) under a
+dostune config and variants of its schedule, all in one process (machines differ by +-0.05 s between processes).
+    python3 scripts/device-profile-backward.py CONFIG [PATCH ...]
+PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_subgroups": 2}'; the config runs as is
+first. With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA
+calls and GPU operations are printed."""
 import json
+import os
+import statistics
 import sys
 import time
 
@@ -12,18 +15,21 @@ import torch
 from dostune.models.registry import loss_of, resolve_model
 from dostune.train.engine import build_engine
 
+ITERS, WARMUP = 8, 3
+
 
 def run(cfg: dict, profile: bool, label: str) -> None:
     spec = resolve_model("gpt2-1.3b")
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)
     gen = torch.Generator().manual_seed(1)
     times = []
-    for k in range(6):
+    prof = None
+    for k in range(WARMUP + ITERS):
         batch = spec.batch(8, 1024, gen, engine.device)
         torch.cuda.synchronize()
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA]) if (profile and k == 5) else None
-        if prof:
+        if profile and k == WARMUP + ITERS - 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         t0 = time.perf_counter()
         loss = loss_of(engine(**batch))
@@ -35,15 +41,17 @@ def run(cfg: dict, profile: bool, label: str) -> None:
         engine.step()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        if prof:
-            prof.__exit__(None, None, None)
-        times.append((t1 - t0, t2 - t1, t3 - t2))
-    print(f"== {label}: fwd/bwd/step of the last 3 iterations:", [tuple(round(x, 3) for x in t) for t in times[-3:]])
-    print("   overlap stats:", engine.optimizer.dostune_overlap_stats)
-    if profile:
+        if k >= WARMUP:
+            times.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    med = [statistics.median(t[j] for t in times) for j in range(4)]
+    print(f"== {label}: median fwd {med[0]:.3f} bwd {med[1]:.3f} step {med[2]:.3f} iter {med[3]:.3f} s "
+          f"({ITERS} iterations); overlap stats {engine.optimizer.dostune_overlap_stats}", flush=True)
+    if prof is not None:
         ka = prof.key_averages()
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+        print(ka.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
     engine.destroy()
     del engine
     torch.cuda.empty_cache()
@@ -51,8 +59,9 @@ def run(cfg: dict, profile: bool, label: str) -> None:
 
 if __name__ == "__main__":
     base = json.load(open(sys.argv[1]))
-    run(base, True, f"{sys.argv[1]} as is")
-    for k in sys.argv[2:]:
+    base["gradient_clipping"] = 0.0  # as `dostune bench --clip 0`: speculative updates are committed
+    run(base, os.environ.get("PROFILE") == "1", f"{sys.argv[1]} as is")
+    for patch in sys.argv[2:]:
         cfg = json.loads(json.dumps(base))
-        cfg["dostune"]["backward_gpu_subgroups"] = int(k)
-        run(cfg, False, f"backward_gpu_subgroups={k}")
+        cfg["dostune"].update(json.loads(patch))
+        run(cfg, False, patch)
