@@ -98,6 +98,9 @@ def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[f
 def _compose(*segment_lists: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
     """Sorted, disjoint (start, end, slowdown) segments from several lists that may overlap: where they do,
     their slowdowns multiply."""
+    nonempty = [segs for segs in segment_lists if segs]
+    if len(nonempty) <= 1:
+        return list(nonempty[0]) if nonempty else []
     cuts = sorted({t for segs in segment_lists for a, b, _ in segs for t in (a, b)})
     out = []
     for a, b in zip(cuts, cuts[1:]):
@@ -185,7 +188,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
         up_bytes = 2
     bwd_segment = [(-bwd, 0.0, BACKWARD_CPU_SLOWDOWN)] if overlap else []
-    dma = _dma_segments(spans, inp)
+    slowdowns = _compose(bwd_segment, _dma_segments(spans, inp))
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
     for _ in range(max(1, iterations)):
@@ -197,7 +200,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             if overlap:
                 t = max(t, bwd * (ready_fraction[j] - 1.0))
             end = _advance(t, cpu_lane_seconds(s, inp, threads, "cpu_convert" if overlap else sched.upload),
-                           _compose(bwd_segment, dma))
+                           slowdowns)
             cpu_spans.append(SimSpan("cpu", j, t, end))
             t = end
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
@@ -212,7 +215,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
             up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
             free = u1
-        dma = _dma_segments(spans + up_spans, inp)
+        slowdowns = _compose(bwd_segment, _dma_segments(spans + up_spans, inp))
     spans = spans + cpu_spans + up_spans
     lanes_s = max(0.0, max((x.end for x in spans), default=0.0))
 

@@ -104,7 +104,9 @@ class Space:
             for buffers in (2, 4):
                 yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f), buffers, t, "gpu_convert", True)
             if self.overlap_possible:  # the CPU lane hides under backward: give it the larger share
-                yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), 2, t, "gpu_convert", True, True)
+                for buffers in (2, 4):
+                    yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), buffers, t, "gpu_convert", True,
+                                    True)
 
     @property
     def overlap_possible(self) -> bool:
