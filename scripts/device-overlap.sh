@@ -8,6 +8,7 @@
 #   run(command="bash scripts/device-overlap.sh e", carry=[".whl"])   # tuned without overlap, tuned again
 #   run(command="bash scripts/device-overlap.sh j", carry=[".whl"])   # GPU lane during backward: tests + tuned vs baselines
 #   run(command="bash scripts/device-overlap.sh l", carry=[".whl"])   # 3 of them during backward; CPU-lane-only schedule
+#   run(command="bash scripts/device-overlap.sh m", carry=[".whl"])   # the tuned schedule vs baselines (halfgrads runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -75,5 +76,8 @@ case "${1:-a}" in
   l)  # 3 of the 7 GPU-lane subgroups during backward vs baselines; the CPU-lane-only tuned schedule on the same machine
     bench_config gb3-clip0 0 no-offload,zero-offload,dostune results/h100/overlap-gpu-lane-gpt2-1.3b/ds_config-backward-gpu-3.json
     bench_config tuned-cpuonly-clip0-same-machine 0 no-offload,dostune $TUNED ;;
+  m)  # results/h100/halfgrads-gpt2-1.3b: the tuned overlap schedule against both baselines, twice, then clipping 1.0
+    for r in 1 2; do bench_config tuned-clip0-run$r 0 no-offload,zero-offload,dostune $TUNED; done
+    bench_config tuned-clip1 1.0 dostune $TUNED ;;
 esac
 echo "=== done $(date +%T)"
