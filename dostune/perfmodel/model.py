@@ -18,10 +18,11 @@ STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
 GRAD_BYTES = 4
 # overlap_backward: how much slower a CPU-lane subgroup's update (out-of-place kernel, half precision fused)
 # runs while backward runs than unscale + CPU Adam + CPU conversion in the step, at the same thread count.
-# Fitted to the H100 trace results/h100/overlap-gpt2-1.3b/overlap-g43-clip0.json: 200M-element subgroups took
-# 63-68 ms during backward against 61.6 ms predicted from the node profile at 16 threads. On a busier machine
-# (overlap-g29-clip0.json, same node type) they took 83-151 ms, so this is the optimistic end.
-BACKWARD_CPU_SLOWDOWN = 1.1
+# Fitted to the H100 traces results/h100/halfgrads-gpt2-1.3b/tuned-clip0-*.json, since the kernel reads the bf16
+# gradients in place: medians of 30.3-33.0 ms per 100M-element subgroup during backward against 30.8 ms predicted
+# from the node profile at 16 threads (ratios 0.98-1.07). Reading fp32 gradients it had been 1.1-1.17
+# (overlap-gpt2-1.3b/overlap-g43-clip0.json, tuned-clip0.json); on a busier machine 83-151 ms per 200M.
+BACKWARD_CPU_SLOWDOWN = 1.0
 
 
 @dataclass
