@@ -9,6 +9,7 @@
 #   run(command="bash scripts/device-overlap.sh j", carry=[".whl"])   # GPU lane during backward: tests + tuned vs baselines
 #   run(command="bash scripts/device-overlap.sh l", carry=[".whl"])   # 3 of them during backward; CPU-lane-only schedule
 #   run(command="bash scripts/device-overlap.sh m", carry=[".whl"])   # the tuned schedule vs baselines (halfgrads runs)
+#   run(command="bash scripts/device-overlap.sh n", carry=[".whl"])   # re-tuned after the refit vs the earlier pick
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
@@ -79,5 +80,8 @@ case "${1:-a}" in
   m)  # results/h100/halfgrads-gpt2-1.3b: the tuned overlap schedule against both baselines, twice, then clipping 1.0
     for r in 1 2; do bench_config tuned-clip0-run$r 0 no-offload,zero-offload,dostune $TUNED; done
     bench_config tuned-clip1 1.0 dostune $TUNED ;;
+  n)  # the schedule tuned after the CPU-lane refit against the earlier pick, each with no offload in its process
+    bench_config retuned-vs-nooffload 0 no-offload,dostune results/h100/tune-gpt2-1.3b-halfgrads/ds_config.json
+    bench_config tuned-vs-nooffload 0 no-offload,dostune $TUNED ;;
 esac
 echo "=== done $(date +%T)"
