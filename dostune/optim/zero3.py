@@ -45,6 +45,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOptimizer_Stage3
@@ -224,8 +225,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return opt
 
     def _dostune_init(self, schedule: ScheduleConfig) -> None:
-        from deepspeed.accelerator import get_accelerator
-
         lane_device = torch.device(get_accelerator().current_device_name())
         plan = make_plan(len(self.fp16_groups), schedule)
         d = self.optimizer.defaults
@@ -348,42 +347,43 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ------------------------------------------------------ gradient routing
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
-        # Replaces DeepSpeed's method for GPU-lane subgroups only: their gradient stays on the GPU, so
-        # the update does not stream it back in. The norm bookkeeping is the parent's.
+        # Replaces DeepSpeed's method for two kinds of subgroup; the norm bookkeeping is the parent's for all:
+        # * GPU-lane subgroups (grads_on_gpu): the gradient stays on the GPU, so the update does not stream it in;
+        # * CPU-lane subgroups updated during backward: the CPU lane reads the gradient from DeepSpeed's pinned
+        #   gradient-partition buffer, which partition_grads has already filled, so the parent's fp32 conversion
+        #   and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
+        # Being called once per parameter as backward finalises gradients, it also drives the work that starts
+        # during backward: the state prefetch, the CPU-lane worker and the GPU lane during backward.
         dos = getattr(self, "_dos", None)
-        if dos is not None and dos.schedule.prefetch_states:
+        if dos is None:
+            return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
+                                                               offload_fp32_offsets)
+        if dos.schedule.prefetch_states:
             self._dostune_prefetch_tick()
-        i, dest_offset, _ = self.grad_position[self.get_param_id(param)]
-        if dos is not None and dos.overlap is not None and i in dos.overlap_seen and i in dos.grad_slices:
-            # The CPU lane reads this gradient from DeepSpeed's pinned gradient-partition buffer, already filled by
-            # partition_grads: skip the parent's fp32 conversion and second copy to host memory (4 bytes per
-            # element over PCIe during backward). The norm bookkeeping is the parent's.
-            self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
-            self._dostune_grad_final(i, self.get_param_id(param))
-            if dos.gpu_bwd is not None:
-                self._dostune_gpu_backward_tick()
-            return
-        if dos is None or not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
+        pid = self.get_param_id(param)
+        i, dest_offset, _ = self.grad_position[pid]
+        cpu_overlap = dos.overlap is not None and i in dos.overlap_seen
+        if cpu_overlap and i in dos.grad_slices:
+            self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad_buffer)
+        elif not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
             super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
                                                         offload_fp32_offsets)
-            if dos is not None and dos.overlap is not None and i in dos.overlap_seen:
-                self._dostune_grad_final(i, self.get_param_id(param))
-            if dos is not None and dos.gpu_bwd is not None:
-                self._dostune_gpu_backward_tick()
-            return
-        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
-        buf = dos.device_grads.get(i)
-        if buf is None:
-            buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
-                              device=dos.lane_device)
-            dos.device_grads[i] = buf
-        # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
-        buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(grad_buffer, non_blocking=True)
-        gb = dos.gpu_bwd
-        if gb is not None:
-            if gb.grad_final(i, self.get_param_id(param)):
+        else:
+            self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad_buffer)
+            buf = dos.device_grads.get(i)
+            if buf is None:
+                buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
+                                  device=dos.lane_device)
+                dos.device_grads[i] = buf
+            # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
+            buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(grad_buffer, non_blocking=True)
+            gb = dos.gpu_bwd
+            if gb is not None and gb.grad_final(i, pid):
                 gb.ready[i] = dos.queues.record_current()  # after the copy above, on the stream that made it
                 self._dostune_add_partial_norm(gb.pids[i])  # a lower bound for the cutoff of both lanes
+        if cpu_overlap:
+            self._dostune_grad_final(i, pid)
+        if dos.gpu_bwd is not None:
             self._dostune_gpu_backward_tick()
 
     def partition_grads(self, params_to_release, grad_partitions):
@@ -397,8 +397,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if dos is None or not dos.grad_slices or self.micro_step_id != 0 or \
                 not self.is_gradient_accumulation_boundary():
             return super().partition_grads(params_to_release, grad_partitions)
-        from deepspeed.accelerator import get_accelerator
-
         buffers = []
         for param, grad_partition in zip(params_to_release, grad_partitions):
             if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
