@@ -52,6 +52,15 @@ class Buffers:
     v: torch.Tensor
 
 
+def pinned_shadows(i: int, n: int, pin: Callable, prefix: str) -> Buffers:
+    """fp32 params, exp_avg and exp_avg_sq buffers of n elements for subgroup i, page-locked through ``pin``
+    under the keys (i, prefix + "_param"), ... so the lanes can copy into them asynchronously."""
+    b = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
+    for kind, t in zip(("param", "exp_avg", "exp_avg_sq"), (b.p, b.m, b.v)):
+        pin((i, f"{prefix}_{kind}"), t)
+    return b
+
+
 @dataclass
 class SubgroupIO:
     """What the worker needs of one CPU-lane subgroup, read fresh each step (checkpoint loads replace it)."""
@@ -219,10 +228,7 @@ class BackwardOverlap:
         b = self._shadows.get(i)
         n = io.param.numel()
         if b is None or b.p.numel() != n:
-            b = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
-            for kind, t in zip(("shadow_param", "shadow_exp_avg", "shadow_exp_avg_sq"), (b.p, b.m, b.v)):
-                self._pin((i, kind), t)
-            self._shadows[i] = b
+            b = self._shadows[i] = pinned_shadows(i, n, self._pin, "shadow")
         return b
 
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:

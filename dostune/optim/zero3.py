@@ -53,7 +53,7 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOpt
 from ..errors import ConfigError
 from .kernels import AdamScalars, LaneAdam
 from .backward_gpu import GpuBackward, Staged
-from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping_certain
+from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping_certain, pinned_shadows
 from .pinned import PinRegistry
 from .queues import Queues
 from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan
@@ -240,13 +240,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dostune_init_overlap(lane_device)
         order = backward_gpu_order(plan, schedule)
         if order:
-            shadows = {}
-            for i in order:
-                n = int(self.fp16_partitioned_groups_flat_numel[i])
-                shadows[i] = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
-                for kind, t in zip(("gpu_shadow_param", "gpu_shadow_exp_avg", "gpu_shadow_exp_avg_sq"),
-                                   (shadows[i].p, shadows[i].m, shadows[i].v)):
-                    self._dos.pins.pin((i, kind), t)
+            shadows = {i: pinned_shadows(i, int(self.fp16_partitioned_groups_flat_numel[i]), self._dos.pins.pin,
+                                         "gpu_shadow") for i in order}
             self._dos.gpu_bwd = GpuBackward(order, {i: self._dostune_param_ids(i) for i in order}, shadows)
 
     def _dostune_param_ids(self, i: int) -> frozenset:
@@ -445,11 +440,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         dos.overlap_last = (host, event)
         return host, event
 
-    def _dostune_finish_overlap(self, inv, trace: list) -> None:
-        """The step's half of overlap_backward: hand the worker the real factor, wait for the CPU lane, then
-        swap the committed subgroups' shadow buffers in (``inv`` None: the step is skipped)."""
+    def _dostune_finish_overlap(self, inv_f: Optional[float], trace: list) -> None:
+        """The step's half of overlap_backward: hand the worker the real factor (its fp32 value), wait for the CPU
+        lane, then swap the committed subgroups' shadow buffers in (``inv_f`` None: the step is skipped)."""
         dos = self._dos
-        inv_f = None if inv is None else float(np.float32(float(inv)))
         commit = inv_f is not None and inv_f == dos.overlap.spec_inv
         out: StepOutcome = dos.overlap.finish(inv_f, commit)
         for i in out.committed:
@@ -616,12 +610,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         trace += gb.trace
         if dos.overlap is None:  # else the CPU lane's finish resets the running norm
             self._dostune_reset_overlap()
-        if inv_f is None:
-            if launched:
-                dos.queues.drain()  # the speculative kernels have written the half-precision partitions
-                for i in launched:
-                    half = self.fp16_partitioned_groups_flat[i]
-                    half.copy_(self.fp32_partitioned_groups_flat[i].data.to(half.dtype))
+        if inv_f is None:  # the caller has drained the lane streams
+            for i in launched:
+                half = self.fp16_partitioned_groups_flat[i]
+                half.copy_(self.fp32_partitioned_groups_flat[i].data.to(half.dtype))
             return set()
         if gb.spec_inv is None or inv_f != gb.spec_inv:
             gb.stats["redone"] += len(launched)
@@ -654,9 +646,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(scaled_global_grad_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
+            # Staging slots filled during backward may still be in flight, and the GPU lane's speculative kernels
+            # must have written the half-precision partitions before they are restored.
+            self._dos.queues.drain()
             if self._dos.gpu_bwd is not None:
                 self._dostune_finish_gpu_backward(None, [])
-            self._dos.queues.drain()  # staging slots filled during backward may still be in flight
             self._dos.device_grads.clear()
             self._dos.reset_slots()
             if self._dos.overlap is not None:
@@ -726,10 +720,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if dos.overlap is not None:
             dos.overlap.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
         scalars = self._dostune_step_scalars()  # likewise for the GPU lane
-        done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(float(np.float32(inv_f)), trace)
+        inv32 = float(np.float32(inv_f))  # what the speculative updates' factor is compared with
+        done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(inv32, trace)
         self._dostune_queue_gpu_lane(inv_f, trace, [i for i in plan.gpu_subgroups if i not in done], scalars)
         if dos.overlap is not None:
-            self._dostune_finish_overlap(inv, trace)
+            self._dostune_finish_overlap(inv32, trace)
         else:
             prev_threads = torch.get_num_threads()
             if sched.cpu_threads:
