@@ -1,8 +1,9 @@
 """On the GPU machine: forward/backward/step of gpt2-1.3b (bf16, micro-batch 8, seq 1024, no clipping) under a
 dostune config and variants of its schedule, all in one process (machines differ by +-0.05 s between processes).
     python3 scripts/device-profile-backward.py CONFIG [PATCH ...]
-PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_subgroups": 2}'; the config runs as is
-first. With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA
+PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_subgroups": 2}' (a key starting with
+"_" sets that attribute of the optimizer's private state instead, e.g. '{"_step_prefetch": false}'); the config runs
+as is first. With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA
 calls and GPU operations are printed."""
 import json
 import os
@@ -20,7 +21,11 @@ ITERS, WARMUP = 8, 3
 
 def run(cfg: dict, profile: bool, label: str) -> None:
     spec = resolve_model("gpt2-1.3b")
+    # Keys starting with "_" set attributes of the optimizer's private state (A/B toggles such as _step_prefetch).
+    private = {k[1:]: cfg["dostune"].pop(k) for k in list(cfg.get("dostune", {})) if k.startswith("_")}
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    for k, v in private.items():
+        setattr(engine.optimizer._dos, k, v)
     gen = torch.Generator().manual_seed(1)
     times = []
     prof = None

@@ -88,12 +88,14 @@ class _State:
     beta_step: Optional[int] = None
     # This iteration's GPU-lane staging slots (slot index -> tensors, and "ready": the event after which the slot
     # may be refilled), used round robin; slot_uses counts the fills so far. prefetched: subgroup -> (start, done)
-    # of the states streamed in during backward by prefetch_states.
+    # of the states streamed in early: during backward (prefetch_states) or at the step's start.
     slots: dict[int, dict] = field(default_factory=dict)
     slot_uses: int = 0
     prefetched: dict[int, tuple] = field(default_factory=dict)
     bwd_watermark: Optional[int] = None
     slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
+    step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
+    step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
@@ -522,6 +524,24 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         dos.slots[gs.slot] = slot
         dos.prefetched[gs.subgroup] = self._dostune_stage(gs.subgroup, slot)
 
+    def _dostune_step_prefetch(self) -> None:
+        """At the step's start, stream the GPU lane's first subgroups' fp32 params and Adam states into every staging
+        slot backward has not filled: they do not depend on this step's gradients or clipping factor, so the copies
+        run while the host works through DeepSpeed's prologue (releasing the parameters, the gradient norm: about
+        40 ms for gpt2-1.3b on the H100), which used to leave the copy engines idle. Backward's activations are
+        freed by now, so the slots do not raise peak memory. A skipped step drains and drops them."""
+        dos = self._dos
+        if not dos.step_prefetch or dos.gpu_bwd is not None:
+            return
+        firsts = dos.plan.first_fills
+        need_grads = not dos.schedule.grads_on_gpu
+        while len(dos.slots) < len(firsts):
+            gs = firsts[len(dos.slots)]
+            self._dostune_check_pinned(gs.subgroup)  # a checkpoint load may have replaced the states
+            slot = self._dostune_new_slot(self._dostune_slot_width(), need_grads)
+            dos.slots[gs.slot] = slot
+            dos.prefetched[gs.subgroup] = self._dostune_stage(gs.subgroup, slot)
+
     def _dostune_gpu_backward_tick(self) -> None:
         """Advance the GPU lane during backward (see backward_gpu.py): stage the next subgroups' states into free
         slots, then launch, in order, those whose gradients are final. Nothing here blocks the host."""
@@ -633,6 +653,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Replaces DeepSpeed's ``step``: same prologue and epilogue, interleaved subgroup updates."""
         if not hasattr(self, "_dos"):
             return super().step(closure)
+        q = self._dos.queues
+        self._dos.step_t0 = (q.record("compute", timing=True) if (self._dos.schedule.trace and q.cuda) else None,
+                             time.perf_counter())
+        self._dostune_step_prefetch()
         self._pre_step()
         self._partition_all_parameters()
 
@@ -711,8 +735,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         inv = 1. / combined_scale
         inv_f = float(inv)  # fp32 value; multiplying an fp32 tensor by it equals DeepSpeed's mul_(tensor)
         trace: list = []
-        t_host0 = time.perf_counter()
-        start_ev = q.record("compute", timing=True) if (sched.trace and q.cuda) else None
+        start_ev, t_host0 = dos.step_t0 if dos.step_t0 is not None else (None, time.perf_counter())
         q.after_current()
         for i in range(len(self.fp16_groups)):  # keep host state pinned after a checkpoint load replaced it
             self._dostune_check_pinned(i)
@@ -775,14 +798,14 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             else:
                 idx = dos.slot_uses % nslots
                 dos.slot_uses += 1
-                early = dos.prefetched.get(i)  # prefetch_states fills slot k with the k-th subgroup
+                early = dos.prefetched.get(i)  # prefetch_states / the step's prefetch fill slot k with the k-th
             slot = dos.slots.get(idx)
             if slot is None:
                 slot = dos.slots[idx] = self._dostune_new_slot(width, need_grads)
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
             with q.on("h2d"):
                 q.wait("h2d", slot["ready"])
-                if early is not None:  # params and states came in during backward
+                if early is not None:  # params and states came in during backward or DeepSpeed's prologue
                     trace.append(("h2d", i, *early))
                 else:
                     t_in = q.record("h2d")
