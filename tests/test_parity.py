@@ -20,6 +20,10 @@ SCHEDULES = {
     "prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=True),
     "prefetch-all-gpu": ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True),
     "overlap": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True),
+    # subgroup 0's states stay on the GPU lane's device; 1 and 2 stream through one slot
+    "overlap-resident": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True,
+                                       resident_subgroups=1, staging_buffers=1),
+    "all-resident": ScheduleConfig(gpu_fraction=1.0, resident_subgroups=5, staging_buffers=1),
     "overlap-all-cpu": ScheduleConfig(gpu_fraction=0.0, overlap_backward=True, backward_cpu_threads=1),
     # 3 GPU-lane subgroups (0, 1, 2), of which 2 and 1 are updated during backward
     "overlap-gpu-bwd": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True,
@@ -112,7 +116,7 @@ def overflow_case(precision: str, schedule: str, **run_kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-gpu-bwd"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-gpu-bwd", "overlap-resident"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_steps_are_skipped_and_nothing_corrupted(precision, schedule):
     if precision == "fp16" and not _cpu_fp16_supported():
@@ -239,5 +243,35 @@ def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():
         for i in opt.dostune_plan.cpu_order:
             g = opt._dostune_subgroup_io(i).grad
             assert g.dtype == torch.bfloat16 and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.slow
+def test_loading_a_checkpoint_into_a_running_engine_replaces_resident_states(tmp_path):
+    checkpoint_into_running_engine(tmp_path)
+
+
+def checkpoint_into_running_engine(tmp_path, pin_memory: bool = False):
+    """Resident subgroups hold their states on the GPU lane's device between steps; a checkpoint loaded into the same
+    engine must replace them, not just the host copies DeepSpeed writes."""
+    from dostune.dsconfig import OffloadSettings, deepspeed_config
+    from dostune.models.registry import resolve_model
+    from dostune.train.engine import build_engine, master_weights, train_steps
+    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE
+
+    spec = resolve_model(MODEL)
+    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(
+        sub_group_size=SUB_GROUP_SIZE, pin_memory=pin_memory, schedule=SCHEDULES["overlap-resident"]))
+    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    try:
+        train_steps(engine, spec, 3, seq=SEQ, seed=1)
+        engine.save_checkpoint(str(tmp_path), tag="s3")
+        first = train_steps(engine, spec, 2, seq=SEQ, seed=2)
+        after_first = master_weights(engine)
+        engine.load_checkpoint(str(tmp_path), tag="s3")
+        again = train_steps(engine, spec, 2, seq=SEQ, seed=2)
+        assert again == first
+        assert torch.equal(master_weights(engine), after_first)
     finally:
         engine.destroy()

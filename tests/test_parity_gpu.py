@@ -4,7 +4,7 @@ import pytest
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import base_settings, reference, run
-from test_parity import SCHEDULES, check, lane_counts, no_partial_norm_cutoff, overflow_case
+from test_parity import SCHEDULES, check, checkpoint_into_running_engine, lane_counts, no_partial_norm_cutoff, overflow_case
 
 pytestmark = pytest.mark.gpu
 
@@ -23,10 +23,15 @@ def test_lane_variants_gpu(upload, grads_on_gpu):
     check(run(train, sched, pin_memory=True), reference(train))
 
 
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-gpu-bwd"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-gpu-bwd", "overlap-resident"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_gpu(precision, schedule):
     overflow_case(precision, schedule, pin_memory=True)
+
+
+def test_checkpoint_into_running_engine_gpu(tmp_path):
+    # the resident states' write-back (checkpoint) and re-upload (load) cross streams here
+    checkpoint_into_running_engine(tmp_path, pin_memory=True)
 
 
 def test_grad_accumulation_gpu():

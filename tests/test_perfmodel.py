@@ -178,3 +178,34 @@ def test_memory_prediction():
     assert mem.peak_gpu_gib == pytest.approx(max(12.0, 2.0 + mem.extra_step_gib))
     early = predict_memory(sizes, sched, m, grad_alloc_fraction=[0.0, 0.0, 0.5, 0.3])
     assert early.extra_bwd_gib == pytest.approx(kept / 2**30)
+
+
+def test_step_prefetch_during_deepspeeds_prologue_by_hand():
+    from dostune.perfmodel.model import STEP_PROLOGUE_SHARE
+
+    n = node()
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False)
+    # the copy in starts at the step's start, prologue = 0.85 * 0.2 s before the lanes' time 0
+    p = simulate_step([1_000_000_000], sched, n, overhead_s=0.2)
+    h2d = [s for s in p.spans if s.lane == "h2d"]
+    assert h2d[0].start == pytest.approx(-STEP_PROLOGUE_SHARE * 0.2)
+    assert p.lanes_s == pytest.approx(12e9 / 50e9 - STEP_PROLOGUE_SHARE * 0.2 + 1e9 / 100e9 + 12e9 / 50e9)
+    # a prologue longer than the copy hides all of it; the kernel still waits for the prologue's end (time 0)
+    long = simulate_step([1_000_000_000], sched, n, overhead_s=1.0)
+    assert long.lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
+
+
+def test_resident_subgroups_stream_nothing_by_hand():
+    n = node()
+    sizes = [1_000_000_000] * 3
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, resident_subgroups=2)
+    p = simulate_step(sizes, sched, n)
+    assert {s.subgroup for s in p.spans if s.lane in ("h2d", "d2h")} == {2}
+    # the two resident kernels first, then subgroup 2 (its copy in overlaps them), kernel, copy out alone
+    assert p.lanes_s == pytest.approx(max(2 * 1e9 / 100e9, 12e9 / 50e9) + 1e9 / 100e9 + 12e9 / 50e9)
+    assert p.lanes_s < simulate_step(sizes, sched.model_copy(update={"resident_subgroups": 0}), n).lanes_s
+    m = ModelInputs(model="x", params=3 * 10**9, peak_fwd_gib=10.0, peak_bwd_gib=12.0, peak_step_gib=2.0)
+    mem, none = (predict_memory(sizes, sched.model_copy(update={"resident_subgroups": r}), m) for r in (2, 0))
+    # resident states are held in every phase: 24 GB on top of backward's peak
+    assert mem.peak_gpu_gib == pytest.approx(max(12.0 + 24e9 / 2**30, 2.0 + mem.extra_step_gib))
+    assert mem.extra_step_gib - none.extra_step_gib == pytest.approx(24e9 / 2**30)

@@ -68,3 +68,16 @@ def test_config_section_parsing():
         ScheduleConfig.from_ds_config({"dostune": {"gpu_fractoin": 0.5}})
     with pytest.raises(ConfigError, match="must be an object"):
         ScheduleConfig.from_ds_config({"dostune": [1]})
+
+
+def test_resident_subgroups_come_first_and_use_no_slot():
+    plan = make_plan(6, ScheduleConfig(gpu_fraction=0.5, gpu_placement="first", staging_buffers=1,
+                                       resident_subgroups=2))
+    assert plan.resident == (0, 1)
+    assert plan.gpu_subgroups == [0, 1, 2]
+    assert [(s.subgroup, s.slot) for s in plan.gpu_slots] == [(2, 0)]
+    assert [s.subgroup for s in plan.first_fills] == [2]
+    with pytest.raises(ConfigError, match="GPU lane has only 3"):
+        make_plan(6, ScheduleConfig(gpu_fraction=0.5, resident_subgroups=4))
+    with pytest.raises(ConfigError, match="needs grads_on_gpu"):
+        ScheduleConfig.from_ds_config({"dostune": {"resident_subgroups": 1, "grads_on_gpu": False}})

@@ -29,10 +29,11 @@ def test_closed_form_matches_a_scan_over_the_gpu_share(space):
     for sgs in space.sub_group_sizes:
         sizes = space.sizes(sgs)
         n = len(sizes)
-        # the closed form is the steady state without the one-off head start that prefetching gives
+        # the closed form is the steady state without the one-off head start that prefetching gives (during
+        # backward, or during DeepSpeed's step prologue: no overhead, no prologue)
         step = lambda k: simulate_step(sizes, ScheduleConfig(gpu_fraction=k / n, cpu_threads=t,  # noqa: E731
                                                              prefetch_states=False),
-                                       space.node, space.overhead_s).step_s
+                                       space.node, 0.0).step_s
         best_k = min(range(n + 1), key=step)
         k = gpu_count_for_share(sizes, f)
         assert abs(k - best_k) <= max(1, round(0.1 * n)), (sgs, f, k, best_k, n)
@@ -163,3 +164,17 @@ def test_cli_validate_needs_a_gpu(tmp_path):
         pytest.skip("has a GPU")
     r = CliRunner().invoke(app, ["tune", "--trials", "3", "--output-dir", str(tmp_path), "--validate", "2"])
     assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
+
+
+def test_resident_subgroups_fill_the_peak_allowance(space):
+    from dostune.tune.space import Candidate
+
+    assert space.max_peak_gib is not None
+    c = Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True)
+    p = space.evaluate(c)
+    r = p.schedule.resident_subgroups
+    assert 0 < r < 9
+    assert p.memory.peak_gpu_gib <= space.max_peak_gib
+    over = space._predict(c, r + 1)  # one more would break the limit
+    assert over.memory.peak_gpu_gib > space.max_peak_gib
+    assert p.step_s < space._predict(c, 0).step_s

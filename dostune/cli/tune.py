@@ -36,7 +36,9 @@ def render_trials(res: TuneResult) -> Table:
     for r in res.top:
         s, p = r.schedule, r.predicted
         gpu = round(s["gpu_fraction"] * r.subgroups + 1e-9)
-        t.add_row(str(r.number), f"{r.sub_group_size:.0e}", f"{gpu}/{r.subgroups}", str(s["staging_buffers"]),
+        res_k = s.get("resident_subgroups", 0)
+        t.add_row(str(r.number), f"{r.sub_group_size:.3g}", f"{gpu}/{r.subgroups}" + (f" ({res_k} resident)" if res_k else ""),
+                  str(s["staging_buffers"]),
                   str(s.get("cpu_threads", "-")), s["upload"], "yes" if s["grads_on_gpu"] else "no",
                   _during_backward(s), _f(p.step_s),
                   _f(p.iter_s), _f(p.update_gelem_s, "{:.2f}"), _f(p.extra_step_gib, "{:.2f}"),
@@ -52,7 +54,7 @@ def render_breakdown(res: TuneResult) -> Table:
     t.add_row("dostune (best)", _f(b.fwd_s), _f(b.bwd_s), _f(b.step_s), _f(b.lanes_s), _f(b.cpu_busy_s),
               _f(b.h2d_busy_s), _f(b.d2h_busy_s), _f(b.iter_s))
     if d is not None:
-        t.add_row(f"ZeRO-Offload (sub_group_size {res.ds_sub_group_size:.0e})", _f(d.fwd_s), _f(d.bwd_s), _f(d.step_s),
+        t.add_row(f"ZeRO-Offload (sub_group_size {res.ds_sub_group_size:.3g})", _f(d.fwd_s), _f(d.bwd_s), _f(d.step_s),
                   _f(d.lanes_s), "", "", "", _f(d.iter_s))
     return t
 
@@ -125,7 +127,7 @@ def tune(
     spans = simulate_step(space.sizes(best.sub_group_size), sched, space.node, space.overhead_s,
                           backward_s=space.model.bwd_s).spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
-                        f"{best.sub_group_size:.0e}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
+                        f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
                         "subgroups on the GPU")
     for note in res.notes:
         err_console.print(f"[yellow]note:[/] {note}")

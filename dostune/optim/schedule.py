@@ -62,12 +62,22 @@ class ScheduleConfig(BaseModel):
         "shadow buffers that the step commits or recomputes like the CPU lane's. Costs 12 bytes of host memory per "
         "parameter of those subgroups; needs grads_on_gpu. 0 by default and not searched by dostune tune: on the H100 "
         "with gpt2-1.3b it emptied the step but slowed backward by more (results/h100/overlap-gpu-lane-gpt2-1.3b)"))
+    resident_subgroups: int = Field(0, ge=0, description=(
+        "how many GPU-lane subgroups (the first ones) keep their fp32 params and Adam states on the GPU between "
+        "steps: their update streams nothing over PCIe. Costs 12 bytes of GPU memory per parameter of those "
+        "subgroups for the whole run (dostune tune spends the peak-memory allowance --max-peak-increase on it); "
+        "the host copies are brought up to date when a checkpoint is saved. Needs grads_on_gpu"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
 
     @model_validator(mode="after")
     def _backward_gpu_lane_needs(self) -> "ScheduleConfig":
+        if self.resident_subgroups:
+            if not self.grads_on_gpu:
+                raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
+            if self.backward_gpu_subgroups:
+                raise ValueError("resident_subgroups and backward_gpu_subgroups cannot be combined")
         if self.backward_gpu_subgroups:
             if not self.overlap_backward:
                 raise ValueError("backward_gpu_subgroups needs overlap_backward true")
@@ -132,11 +142,14 @@ class GpuSlot:
 class Plan:
     lanes: list[str]
     cpu_order: list[int]
-    gpu_slots: list[GpuSlot]
+    gpu_slots: list[GpuSlot]  # the GPU-lane subgroups whose states stream through staging slots
+    resident: tuple[int, ...] = ()  # the GPU-lane subgroups whose states stay on the GPU
 
     @property
     def gpu_subgroups(self) -> list[int]:
-        return [s.subgroup for s in self.gpu_slots]
+        """Every GPU-lane subgroup, in the order the step queues them: the resident ones first (they need no
+        copy, so their updates run while the others' states stream in)."""
+        return list(self.resident) + [s.subgroup for s in self.gpu_slots]
 
     @property
     def first_fills(self) -> list[GpuSlot]:
@@ -155,6 +168,13 @@ def backward_gpu_order(plan: Plan, sched: ScheduleConfig) -> list[int]:
 def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
+    if sched.resident_subgroups > len(gpu):
+        raise ConfigError(f"resident_subgroups is {sched.resident_subgroups} but the GPU lane has only {len(gpu)} "
+                          f"subgroups (gpu_fraction {sched.gpu_fraction} of {num_subgroups})",
+                          hint="lower resident_subgroups or raise gpu_fraction")
+    resident, streamed = tuple(gpu[:sched.resident_subgroups]), gpu[sched.resident_subgroups:]
     n = sched.staging_buffers
-    slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=gpu[k - n] if k >= n else None) for k, sg in enumerate(gpu)]
-    return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots)
+    slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
+             for k, sg in enumerate(streamed)]
+    return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots,
+                resident=resident)

@@ -81,6 +81,7 @@ class _State:
     lane_adam: LaneAdam
     device_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     gpu_set: frozenset = frozenset()
+    resident_set: frozenset = frozenset()
     last_trace: list[Span] = field(default_factory=list)
     last_step_s: float = 0.0
     steps: int = 0
@@ -96,6 +97,11 @@ class _State:
     slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
     step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
+    # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
+    # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
+    resident: dict[int, Buffers] = field(default_factory=dict)
+    resident_fresh: set = field(default_factory=set)
+    host_stale: set = field(default_factory=set)
     gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
@@ -234,7 +240,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                              self.optimizer.adam_w_mode)
         self._dos = _State(schedule=schedule, plan=plan, queues=Queues(lane_device, timing=schedule.trace),
                            lane_device=lane_device, pins=PinRegistry(), lane_adam=lane_adam,
-                           gpu_set=frozenset(plan.gpu_subgroups))
+                           gpu_set=frozenset(plan.gpu_subgroups), resident_set=frozenset(plan.resident))
         for i in range(len(self.fp16_groups)):
             self._dostune_adopt_subgroup_state(i)
         self._dos.grad_slices = self._dostune_grad_slices()
@@ -306,6 +312,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(fp32.data)
             state["exp_avg_sq"] = torch.zeros_like(fp32.data)
+        self._dostune_host_changed(i)
         pins = self._dos.pins
         for kind, t in (("param", fp32.data), ("grad", fp32.grad), ("exp_avg", state["exp_avg"]),
                         ("exp_avg_sq", state["exp_avg_sq"])):
@@ -318,6 +325,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._dos.overlap.close()
             self._dos.pins.close()
             self._dos.lane_adam.close()
+            self._dos.resident.clear()
         super().destroy()
 
     @property
@@ -472,7 +480,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _dostune_slot_width(self) -> int:
         numel = self.fp16_partitioned_groups_flat_numel
-        return max(int(numel[s.subgroup]) for s in self._dos.plan.gpu_slots)
+        return max((int(numel[s.subgroup]) for s in self._dos.plan.gpu_slots), default=0)
 
     def _dostune_new_slot(self, width: int, need_grads: bool) -> dict:
         dev, q = self._dos.lane_device, self._dos.queues
@@ -789,6 +797,9 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         waiting = gb.unlaunched_staged() if gb is not None else []
         # Subgroups staged during backward but not launched go first: they hold their slots.
         for i in waiting + [i for i in todo if i not in waiting]:
+            if i in dos.resident_set:
+                self._dostune_update_resident(i, inv, trace, scalars)
+                continue
             n = int(numel[i])
             fp32 = self.fp32_partitioned_groups_flat[i]
             state = self.optimizer.state[fp32]
@@ -837,6 +848,117 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if early is None or need_grads:
                 trace.append(("h2d", i, t_in, h2d_done))
             trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, slot["ready"])]
+
+    def _dostune_update_resident(self, i: int, inv: float, trace: list, scalars: dict) -> None:
+        """A resident subgroup: its states are uploaded once (and again only after the host copies changed, e.g. a
+        checkpoint load); the update then runs on the GPU copies and writes nothing back over PCIe."""
+        dos = self._dos
+        q = dos.queues
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        state = self.optimizer.state[fp32]
+        buf = dos.resident.get(i)
+        h2d_done = None
+        if buf is None:
+            with q.on("compute"):  # kept for the run, so allocated where it is used
+                buf = dos.resident[i] = Buffers(*(torch.empty(n, device=dos.lane_device) for _ in range(3)))
+            dos.resident_fresh.discard(i)
+        if i not in dos.resident_fresh:
+            with q.on("h2d"):
+                t_in = q.record("h2d")
+                buf.p.copy_(fp32.data, non_blocking=True)
+                buf.m.copy_(state["exp_avg"], non_blocking=True)
+                buf.v.copy_(state["exp_avg_sq"], non_blocking=True)
+                h2d_done = q.record("h2d")
+            trace.append(("h2d", i, t_in, h2d_done))
+            dos.resident_fresh.add(i)
+        g = dos.device_grads.get(i)
+        with q.on("compute"):
+            if g is None:  # no gradient reached this subgroup: DeepSpeed's is zeros
+                g = torch.zeros(n, device=dos.lane_device)
+            q.wait("compute", h2d_done)
+            state["step"] += 1
+            t_c = q.record("compute")
+            dos.lane_adam.update(buf.p, g, buf.m, buf.v, self.fp16_partitioned_groups_flat[i], inv, state["step"],
+                                 self.optimizer.param_groups[self.sub_group_to_group_id[i]], scalars.get(i))
+            trace.append(("gpu", i, t_c, q.record("compute")))
+        dos.host_stale.add(i)
+
+    def dostune_sync_host(self) -> None:
+        """Bring the host copies of the resident subgroups' fp32 params and Adam states up to date (DeepSpeed's
+        checkpoints and fp32 accessors read those). Blocks until the copies are done; a no-op when none is behind."""
+        dos = getattr(self, "_dos", None)
+        if dos is None or not dos.host_stale:
+            return
+        q = dos.queues
+        with torch.no_grad(), q.on("d2h"):
+            q.wait("d2h", q.record("compute"))
+            for i in sorted(dos.host_stale):
+                fp32 = self.fp32_partitioned_groups_flat[i]
+                state = self.optimizer.state[fp32]
+                buf = dos.resident[i]
+                fp32.data.copy_(buf.p, non_blocking=True)
+                state["exp_avg"].copy_(buf.m, non_blocking=True)
+                state["exp_avg_sq"].copy_(buf.v, non_blocking=True)
+        if q.cuda:
+            q.streams["d2h"].synchronize()
+        dos.host_stale.clear()
+
+    def _dostune_host_changed(self, i: Optional[int] = None) -> None:
+        """The host copies of subgroup i (None: all) were replaced or written: they are now the truth, and the
+        resident GPU copies are uploaded again before their next update."""
+        dos = getattr(self, "_dos", None)
+        if dos is None:
+            return
+        if i is None:
+            dos.resident_fresh.clear()
+            dos.host_stale.clear()
+        else:
+            dos.resident_fresh.discard(i)
+            dos.host_stale.discard(i)
+
+    # DeepSpeed's checkpoint and fp32 accessors read or write the host copies: the resident subgroups' GPU copies are
+    # written back before a read, and uploaded again after a write. Each replaces the parent method only by that.
+    def state_dict(self):
+        self.dostune_sync_host()
+        return super().state_dict()
+
+    def load_state_dict(self, *args, **kwargs):
+        self.dostune_sync_host()  # a partial load (e.g. weights only) keeps the rest of the resident states
+        out = super().load_state_dict(*args, **kwargs)
+        self._dostune_host_changed()
+        return out
+
+    def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
+        self.dostune_sync_host()
+        out = super().load_hp_checkpoint_state_from_checkpoint_dir_stage3(checkpoint_dir)
+        self._dostune_host_changed()
+        return out
+
+    def refresh_fp32_params(self):
+        out = super().refresh_fp32_params()
+        self._dostune_host_changed()
+        return out
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        self.dostune_sync_host()
+        return super().get_full_hp_param(param, optim_state_key)
+
+    def get_local_fp32_param(self, param, optim_state_key=None):
+        self.dostune_sync_host()
+        return super().get_local_fp32_param(param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        self.dostune_sync_host()
+        out = super().set_full_hp_param(value, param, optim_state_key)
+        self._dostune_host_changed()
+        return out
+
+    def set_local_hp_param(self, value, param, optim_state_key=None):
+        self.dostune_sync_host()
+        out = super().set_local_hp_param(value, param, optim_state_key)
+        self._dostune_host_changed()
+        return out
 
     def _dostune_step_scalars(self, which: Optional[frozenset] = None) -> dict[int, AdamScalars]:
         """The float constants DeepSpeed's C++ Adam would use for each subgroup in ``which`` (default: the GPU

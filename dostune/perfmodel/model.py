@@ -23,6 +23,10 @@ GRAD_BYTES = 4
 # from the node profile at 16 threads (ratios 0.98-1.07). Reading fp32 gradients it had been 1.1-1.17
 # (overlap-gpt2-1.3b/overlap-g43-clip0.json, tuned-clip0.json); on a busier machine 83-151 ms per 200M.
 BACKWARD_CPU_SLOWDOWN = 1.0
+# The share of DeepSpeed's step overhead that comes before the lanes can compute (releasing the parameters, the
+# gradient norm): 86 of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (scripts/device-trace.py). The
+# GPU lane's first staging slots stream in meanwhile (the step prefetch).
+STEP_PROLOGUE_SHARE = 0.85
 
 
 @dataclass
@@ -138,7 +142,12 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     The first ``backward_gpu_subgroups`` GPU-lane subgroups in backward order (highest index first) then run
     during backward too: their states stream in once the staging slots fit (``slots_free_at``: the fraction of
     backward after which backward has freed enough memory for them), the kernel starts when their gradients are
-    final, and the write-back follows; the rest of the GPU lane runs in the step."""
+    final, and the write-back follows; the rest of the GPU lane runs in the step.
+
+    Time 0 is where DeepSpeed's step prologue ends (``STEP_PROLOGUE_SHARE`` of ``overhead_s``); the states of the
+    GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it. The
+    first ``resident_subgroups`` GPU-lane subgroups keep their states on the GPU: no copy in or out, and they go
+    first."""
     threads = sched.cpu_threads or inp.default_threads
     if threads not in inp.cpu_adam:
         threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
@@ -152,17 +161,24 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
     bwd = backward_s if overlap else 0.0
     bwd_gpu = sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups] if overlap else []
+    resident = gpu[:sched.resident_subgroups]
+    prologue = STEP_PROLOGUE_SHARE * overhead_s if not bwd_gpu else 0.0
 
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
     h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else 0.0
+    for i in resident:
+        comp_free += inp.gpu_adam.t(sizes[i])
+        spans.append(SimSpan("gpu", i, comp_free - inp.gpu_adam.t(sizes[i]), comp_free))
+    h2d_free = -prologue if not bwd_gpu else h2d_free
     d2h_end: list[float] = []
     window = float("inf") if backward_s is None else backward_s
-    for k, i in enumerate(bwd_gpu + [j for j in gpu if j not in bwd_gpu]):
+    streamed = [j for j in gpu if j not in resident]
+    for k, i in enumerate(bwd_gpu + [j for j in streamed if j not in bwd_gpu]):
         s = sizes[i]
         during = i in bwd_gpu
-        ready = d2h_end[k - nbuf] if k >= nbuf else (bwd * (slots_free_at - 1.0) if during else 0.0)
-        start = max(h2d_free, ready, -bwd if during else 0.0)
+        ready = d2h_end[k - nbuf] if k >= nbuf else (bwd * (slots_free_at - 1.0) if during else -prologue)
+        start = max(h2d_free, ready, -bwd if during else -prologue)
         rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
         copy = rate.t(in_bytes * s)
         if sched.prefetch_states and k < nbuf:  # states already (partly) in from backward's idle H2D
@@ -177,7 +193,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
-        last = k == len(gpu) - 1
+        last = k == len(streamed) - 1
         rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
         d2h_free = d0 + rate.t(STATE_BYTES * s)
         d2h_end.append(d2h_free)
@@ -257,11 +273,19 @@ def staging_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
     lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
     gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
     cpu = [s for s, lane in zip(sizes, lanes) if lane != GPU]
+    streamed = gpu[sched.resident_subgroups:]
     slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
-    slots = min(sched.staging_buffers, len(gpu)) * max(gpu, default=0) * slot_bytes
+    slots = min(sched.staging_buffers, len(streamed)) * max(streamed, default=0) * slot_bytes
     up = max(cpu, default=0) * 4 if sched.upload == "gpu_convert" else 0
     kept = sum(gpu) * GRAD_BYTES if sched.grads_on_gpu else 0
-    return slots + up + kept
+    return slots + up + kept + resident_bytes(sizes, sched)
+
+
+def resident_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
+    """GPU memory the resident subgroups' fp32 params and Adam states hold for the whole run."""
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
+    return STATE_BYTES * sum(gpu[:sched.resident_subgroups])
 
 
 @dataclass
@@ -289,10 +313,12 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
             (m.peak_bwd_gib - base * phi) + sum(sizes[i] * GRAD_BYTES for i in gpu if fr[i] <= phi) / GiB
             - m.peak_bwd_gib for phi in sorted({0.0, *(fr[i] for i in gpu)}))
         extra_bwd = max(0.0, extra_bwd)
+    resident = resident_bytes(sizes, sched) / GiB  # in every phase (and already in extra_step)
     peak = None
     if m.offload_peak_gib is not None:
         step_base = m.peak_step_gib or 0.0
-        peak = max(m.peak_fwd_gib or 0.0, (m.peak_bwd_gib or 0.0) + extra_bwd, step_base + extra_step)
+        peak = max((m.peak_fwd_gib or 0.0) + resident, (m.peak_bwd_gib or 0.0) + extra_bwd + resident,
+                   step_base + extra_step)
     total = sum(sizes)
     pinned = (STATE_BYTES + GRAD_BYTES + GRAD_BYTES) * total  # + DeepSpeed's pinned partition buffer
     if (sched.upload == "cpu_convert" or sched.overlap_backward) and cpu:

@@ -150,9 +150,10 @@ def _sampler(name: str, seed: int):
     raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
 
 
-# Bumped whenever the searched parameters change (2: overlap_backward), so that a stored study from an older
+# Bumped whenever the searched parameters or their scoring change (2: overlap_backward; 3: resident subgroups
+# filling the peak-memory allowance, and the step prefetch in the model), so that a stored study from an older
 # search is not resumed as if its trials had explored the new space.
-SEARCH_SPACE_VERSION = 2
+SEARCH_SPACE_VERSION = 3
 
 
 def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:

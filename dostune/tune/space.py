@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import DostuneError
-from ..optim.schedule import ScheduleConfig
+from ..optim.schedule import GPU, ScheduleConfig, assign_lanes
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.model import (Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
+from ..perfmodel.model import (STATE_BYTES, GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
                                grad_alloc_fractions, grad_ready_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
 
@@ -74,16 +74,46 @@ class Space:
         """When in backward each subgroup's gradients are all final (fractions), from the model profile."""
         return self._profile_fractions(sub_group_size)[1]
 
-    def schedule(self, c: Candidate) -> ScheduleConfig:
+    def schedule(self, c: Candidate, resident: int = 0) -> ScheduleConfig:
         n = len(self.sizes(c.sub_group_size))
         # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
         return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
                               cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
-                              overlap_backward=c.overlap_backward, expected_subgroups=n)
+                              overlap_backward=c.overlap_backward, resident_subgroups=resident, expected_subgroups=n)
+
+    def _predict(self, c: Candidate, resident: int) -> Prediction:
+        return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c, resident), self.node,
+                       self.model, self.overhead_s, self.grad_alloc(c.sub_group_size), self.grad_ready(c.sub_group_size))
 
     def evaluate(self, c: Candidate) -> Prediction:
-        return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c), self.node, self.model,
-                       self.overhead_s, self.grad_alloc(c.sub_group_size), self.grad_ready(c.sub_group_size))
+        """The candidate's prediction, with as many resident subgroups as the memory limits leave room for."""
+        p = self._predict(c, 0)
+        r = self.resident_room(c, p)
+        return self._predict(c, r) if r else p
+
+    def resident_room(self, c: Candidate, p: Prediction) -> int:
+        """How many of the candidate's GPU-lane subgroups (in lane order) can keep their states on the GPU within the
+        peak-memory limit and the step's budget, given its prediction without any: a resident subgroup streams nothing,
+        so the model never finds more of them slower, and the search need not try fewer. 0 without a known limit."""
+        if not c.grads_on_gpu or not c.gpu_count:
+            return 0
+        room = float("inf")
+        if self.max_peak_gib is not None and p.memory.peak_gpu_gib is not None:
+            room = self.max_peak_gib - p.memory.peak_gpu_gib
+        if self.budget_gib is not None:
+            room = min(room, self.budget_gib - p.memory.extra_step_gib)
+        if room == float("inf") or room <= 0:
+            return 0
+        sizes = p.sizes
+        gpu = [s for s, lane in zip(sizes, assign_lanes(len(sizes), p.schedule.gpu_fraction, p.schedule.gpu_placement))
+               if lane == GPU]
+        count, used = 0, 0.0
+        for s in gpu:
+            used += STATE_BYTES * s / GiB
+            if used > room:
+                break
+            count += 1
+        return count
 
     def violations(self, p: Prediction) -> list[float]:
         """Constraint values, <= 0 when satisfied (Optuna's convention): GiB over the staging budget, GiB over
