@@ -38,6 +38,7 @@ def run(train: TrainSettings, schedule: ScheduleConfig | None, steps: int = STEP
     losses = train_steps(engine, spec, steps, seq=SEQ, seed=1,
                          before_backward=overflow_at(overflow_steps) if overflow_steps else None)
     out = {"weights": master_weights(engine), "losses": losses, "loss_scale": engine.optimizer.loss_scale,
+           "grad_norm": float(engine.optimizer._global_grad_norm),
            "type": type(engine.optimizer).__name__, "subgroups": len(engine.optimizer.fp16_groups),
            "global_steps": engine.global_steps, "skipped": engine.skipped_steps,
            "overlap": getattr(engine.optimizer, "dostune_overlap_stats", None)}

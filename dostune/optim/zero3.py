@@ -39,6 +39,7 @@ untouched.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -47,7 +48,11 @@ import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
-from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed import comm as dist
+from deepspeed.comm import pg_utils
+from deepspeed.runtime.utils import (combine_grad_norm_groups, is_invalid_grad_norm, is_model_parallel_parameter,
+                                     mask_nan_or_inf_with_val_inplace)
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOptimizer_Stage3
 
 from ..errors import ConfigError
@@ -100,6 +105,9 @@ class _State:
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
     resident: dict[int, Buffers] = field(default_factory=dict)
+    # Parameter id -> the 2-norm of its gradient partition in DeepSpeed's norm dtype, as the norm kernel returns it;
+    # what DeepSpeed would record in norm_for_param_grads follows from it exactly (see _dostune_record_norm).
+    raw_norms: dict = field(default_factory=dict)
     resident_fresh: set = field(default_factory=set)
     host_stale: set = field(default_factory=set)
     gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
@@ -369,12 +377,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         i, dest_offset, _ = self.grad_position[pid]
         cpu_overlap = dos.overlap is not None and i in dos.overlap_seen
         if cpu_overlap and i in dos.grad_slices:
-            self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad_buffer)
+            self._dostune_record_norm(pid, grad_buffer)
         elif not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
             super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
                                                         offload_fp32_offsets)
         else:
-            self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad_buffer)
+            self._dostune_record_norm(pid, grad_buffer)
             buf = dos.device_grads.get(i)
             if buf is None:
                 buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
@@ -419,6 +427,69 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             param.grad = None
         return buffers
 
+    def _dostune_record_norm(self, pid: int, grad: torch.Tensor) -> None:
+        # DeepSpeed records ((g.double().norm(2)) ** 2) ** 0.5 per parameter with _constant_buffered_norm2: seven tensor
+        # operations on the host thread that paces backward (the profiled backward is host-bound). Only the norm
+        # kernel's result is kept here (two operations); the square and the square root, both exactly rounded
+        # double operations, are replayed on the host at the step, so the global norm is bit for bit DeepSpeed's.
+        # Python floats replay double operations exactly (MPS-like devices without fp64 keep DeepSpeed's path), and
+        # DeepSpeed sums the norms of 250M-element pieces of bigger partitions: both left to its code.
+        if get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
+            self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad)
+            return
+        self._dos.raw_norms[pid] = grad.reshape(-1).to(get_norm_dtype()).norm(2)
+        self.norm_for_param_grads.pop(pid, None)
+
+    def _dostune_norm_tensor(self, pid: int):
+        """(tensor, raw) for a parameter's recorded gradient norm, or None; a value DeepSpeed's own code recorded
+        (e.g. set_local_grad_for_param after backward) takes precedence."""
+        t = self.norm_for_param_grads.get(pid)
+        if t is not None:
+            return t, False
+        t = self._dos.raw_norms.get(pid)
+        return (t, True) if t is not None else None
+
+    def complete_grad_norm_calculation_for_cpu_offload(self, params):
+        # Replaces DeepSpeed's method, which squares and adds the recorded per-parameter norms with two kernel launches
+        # per parameter and two host syncs per subgroup: here one copy of all the norms to the host and the same
+        # double-precision operations in the same order there (Python floats are IEEE doubles, each operation exactly
+        # rounded as on the GPU). The rest (reductions across ranks, the square root, the nan/inf mask) is the
+        # parent's code as it is.
+        dos = getattr(self, "_dos", None)
+        if dos is None:
+            return super().complete_grad_norm_calculation_for_cpu_offload(params)
+        self._assert_same_partition_group(params)
+        process_group = self._get_param_partition_group(params[0])
+        counts_every_rank = self._grad_norm_counts_every_rank(params, process_group)
+        found = []
+        for p in params:
+            if counts_every_rank or is_model_parallel_parameter(p) or (self.model_parallel_rank == 0):
+                entry = self._dostune_norm_tensor(self.get_param_id(p))
+                if entry is not None:
+                    found.append(entry)
+        total_norm = 0.0
+        if found:
+            values = torch.stack([t.reshape(()).to(torch.float64) for t, _ in found]).cpu().tolist()
+            for v, (_, raw) in zip(values, found):
+                param_norm = math.sqrt(v * v) if raw else v  # DeepSpeed's (norm ** 2.0) ** 0.5
+                total_norm += param_norm * param_norm
+        total_norm_cuda = get_accelerator().FloatTensor([float(total_norm)])
+        dist.all_reduce(total_norm_cuda, op=dist.ReduceOp.SUM, group=process_group)
+        if not counts_every_rank:
+            self._model_parallel_all_reduce(tensor=total_norm_cuda, op=dist.ReduceOp.SUM)
+        autoep_ep_group = self._autoep_expert_parallel_group(params)
+        if pg_utils.is_parallel(autoep_ep_group):
+            dist.all_reduce(total_norm_cuda, op=dist.ReduceOp.SUM, group=autoep_ep_group)
+        total_norm = total_norm_cuda[0]**(1. / 2.0)
+        mask_nan_or_inf_with_val_inplace(total_norm, device=total_norm.device)
+        return total_norm.cpu()
+
+    def reset_cpu_buffers(self):
+        # DeepSpeed's method clears the recorded norms after the step; the raw ones with them.
+        super().reset_cpu_buffers()
+        if hasattr(self, "_dos"):
+            self._dos.raw_norms.clear()
+
     def _dostune_grad_final(self, i: int, pid: int) -> None:
         """Hand CPU-lane subgroup i to the worker once its last parameter's gradient has been copied out."""
         dos = self._dos
@@ -438,7 +509,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         the running sum, on the stream that made them; returns (host copy, event after which the copy and
         DeepSpeed's non-blocking gradient copies so far are done)."""
         dos = self._dos
-        sq = torch.stack([self.norm_for_param_grads[p] for p in pids]).double().pow(2).sum()
+        # raw norms squared differ from DeepSpeed's in the last bit at most: a bound for the cutoff, not the factor
+        sq = torch.stack([self._dostune_norm_tensor(p)[0] for p in pids]).double().pow(2).sum()
         dos.overlap_partial = sq if dos.overlap_partial is None else dos.overlap_partial + sq
         if dos.queues.cuda:
             host = torch.empty((), dtype=torch.float64, pin_memory=True)
