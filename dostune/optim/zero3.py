@@ -101,6 +101,7 @@ class _State:
     bwd_watermark: Optional[int] = None
     slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
     step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
+    raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
@@ -434,7 +435,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # double operations, are replayed on the host at the step, so the global norm is bit for bit DeepSpeed's.
         # Python floats replay double operations exactly (MPS-like devices without fp64 keep DeepSpeed's path), and
         # DeepSpeed sums the norms of 250M-element pieces of bigger partitions: both left to its code.
-        if get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
+        if not self._dos.raw_norm or get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
             self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad)
             return
         self._dos.raw_norms[pid] = grad.reshape(-1).to(get_norm_dtype()).norm(2)
