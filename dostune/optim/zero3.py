@@ -106,11 +106,11 @@ class _State:
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
     resident: dict[int, Buffers] = field(default_factory=dict)
+    resident_fresh: set = field(default_factory=set)
+    host_stale: set = field(default_factory=set)
     # Parameter id -> the 2-norm of its gradient partition in DeepSpeed's norm dtype, as the norm kernel returns it;
     # what DeepSpeed would record in norm_for_param_grads follows from it exactly (see _dostune_record_norm).
     raw_norms: dict = field(default_factory=dict)
-    resident_fresh: set = field(default_factory=set)
-    host_stale: set = field(default_factory=set)
     gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
