@@ -167,10 +167,12 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
     h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else 0.0
-    for i in resident:
-        comp_free += inp.gpu_adam.t(sizes[i])
-        spans.append(SimSpan("gpu", i, comp_free - inp.gpu_adam.t(sizes[i]), comp_free))
-    h2d_free = -prologue if not bwd_gpu else h2d_free
+    for i in resident:  # nothing to copy: their kernels go first
+        t = inp.gpu_adam.t(sizes[i])
+        spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
+        comp_free += t
+    if not bwd_gpu:
+        h2d_free = -prologue
     d2h_end: list[float] = []
     window = float("inf") if backward_s is None else backward_s
     streamed = [j for j in gpu if j not in resident]
