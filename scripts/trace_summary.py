@@ -10,8 +10,9 @@ from collections import defaultdict
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATS = {"cpu_op", "python_function", "cuda_runtime", "user_annotation", "cuda_driver"}
-BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy ",
-            "cudaMemcpy\0", "cudaStreamWaitEvent")
+# Host calls that wait for the device or the allocator, reported when they take 0.2 ms or more
+BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+            "cudaStreamWaitEvent", "cudaHostAlloc", "cudaMalloc", "cudaFree", "cudaHostRegister")
 
 
 def _union(spans):
@@ -103,9 +104,7 @@ def summarise(trace: dict, min_gap_ms: float = 0.5, top: int = 8) -> str:
             for e in events:
                 if e.get("cat") != "cuda_runtime" or e["dur"] < 200 or not (lo <= e["ts"] < hi):
                     continue
-                if not e["name"].startswith(("cudaStreamSynchronize", "cudaEventSynchronize",
-                                             "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamWaitEvent",
-                                             "cudaHostAlloc", "cudaMalloc", "cudaFree", "cudaHostRegister")):
+                if not e["name"].startswith(BLOCKING):
                     continue
                 caller = _interesting(_stack_at(events, e["ts"] + e["dur"] / 2)[:-1], depth=3)
                 key = (("main " if tid == main_tid else f"tid {tid} ") + e["name"], caller)

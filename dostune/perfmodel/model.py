@@ -283,11 +283,15 @@ def staging_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
     return slots + up + kept + resident_bytes(sizes, sched)
 
 
+def gpu_lane_sizes(sizes: Sequence[int], sched: ScheduleConfig) -> list[int]:
+    """The sizes of the GPU-lane subgroups, in lane order (the resident ones first)."""
+    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
+    return [s for s, lane in zip(sizes, lanes) if lane == GPU]
+
+
 def resident_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
     """GPU memory the resident subgroups' fp32 params and Adam states hold for the whole run."""
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
-    return STATE_BYTES * sum(gpu[:sched.resident_subgroups])
+    return STATE_BYTES * sum(gpu_lane_sizes(sizes, sched)[:sched.resident_subgroups])
 
 
 @dataclass
@@ -445,8 +449,7 @@ class Prediction:
 def slots_free_fraction(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs) -> float:
     """How far into backward (0..1) it has freed enough memory for the GPU lane's staging slots: backward's memory
     is taken to fall linearly from its peak to the step's level (as in ``predict_memory``). 0 when unknown."""
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
+    gpu = gpu_lane_sizes(sizes, sched)
     if not gpu or m.peak_bwd_gib is None or m.peak_step_gib is None:
         return 0.0
     freed = m.peak_bwd_gib - m.peak_step_gib

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import DostuneError
-from ..optim.schedule import GPU, ScheduleConfig, assign_lanes
+from ..optim.schedule import ScheduleConfig
 from ..perfmodel.inputs import ModelInputs, NodeInputs
 from ..perfmodel.model import (STATE_BYTES, GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
-                               grad_alloc_fractions, grad_ready_fractions, predict)
+                               gpu_lane_sizes, grad_alloc_fractions, grad_ready_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
@@ -104,11 +104,8 @@ class Space:
             room = min(room, self.budget_gib - p.memory.extra_step_gib)
         if room == float("inf") or room <= 0:
             return 0
-        sizes = p.sizes
-        gpu = [s for s, lane in zip(sizes, assign_lanes(len(sizes), p.schedule.gpu_fraction, p.schedule.gpu_placement))
-               if lane == GPU]
         count, used = 0, 0.0
-        for s in gpu:
+        for s in gpu_lane_sizes(p.sizes, p.schedule):
             used += STATE_BYTES * s / GiB
             if used > room:
                 break
