@@ -2,7 +2,8 @@
 dostune config and variants of its schedule, all in one process (machines differ by +-0.05 s between processes).
     python3 scripts/device-profile-backward.py CONFIG [PATCH ...]
 PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_subgroups": 2}' (a key starting with
-"_" sets that attribute of the optimizer's private state instead, e.g. '{"_step_prefetch": false}'); the config runs
+"_" sets that attribute of the optimizer's private state instead, e.g. '{"_step_prefetch": false}', or of one of its
+members, e.g. '{"_overlap.nontemporal": true}'); the config runs
 as is first. With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA
 calls and GPU operations are printed."""
 import json
@@ -24,8 +25,12 @@ def run(cfg: dict, profile: bool, label: str) -> None:
     # Keys starting with "_" set attributes of the optimizer's private state (A/B toggles such as _step_prefetch).
     private = {k[1:]: cfg["dostune"].pop(k) for k in list(cfg.get("dostune", {})) if k.startswith("_")}
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)
-    for k, v in private.items():
-        setattr(engine.optimizer._dos, k, v)
+    for k, v in private.items():  # "a.b" sets attribute b of the private state's member a (e.g. overlap.nontemporal)
+        obj = engine.optimizer._dos
+        *path, name = k.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, name, v)
     gen = torch.Generator().manual_seed(1)
     times = []
     prof = None

@@ -181,7 +181,7 @@ def test_memory_prediction():
 
 
 def test_step_prefetch_during_deepspeeds_prologue_by_hand():
-    from dostune.perfmodel.model import STEP_PROLOGUE_SHARE
+    from dostune.perfmodel.model import STEP_PROLOGUE_SHARE, STEP_RELEASE_SHARE
 
     n = node()
     sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False)
@@ -190,9 +190,15 @@ def test_step_prefetch_during_deepspeeds_prologue_by_hand():
     h2d = [s for s in p.spans if s.lane == "h2d"]
     assert h2d[0].start == pytest.approx(-STEP_PROLOGUE_SHARE * 0.2)
     assert p.lanes_s == pytest.approx(12e9 / 50e9 - STEP_PROLOGUE_SHARE * 0.2 + 1e9 / 100e9 + 12e9 / 50e9)
-    # a prologue longer than the copy hides all of it; the kernel still waits for the prologue's end (time 0)
+    # a prologue longer than the copy hides all of it; the kernel still waits for the gradient norm, which comes
+    # before DeepSpeed's parameter release (the last STEP_RELEASE_SHARE of the overhead before time 0)
     long = simulate_step([1_000_000_000], sched, n, overhead_s=1.0)
-    assert long.lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
+    kernel = [s for s in long.spans if s.lane == "gpu"][0]
+    assert -STEP_PROLOGUE_SHARE + 12e9 / 50e9 < -STEP_RELEASE_SHARE  # the copy in is done before the norm is
+    assert kernel.start == pytest.approx(-STEP_RELEASE_SHARE)
+    assert long.lanes_s == 0.0  # everything ended under the release: the step is DeepSpeed's overhead alone
+    mid = simulate_step([1_000_000_000], sched, n, overhead_s=0.5)  # the write-back outlasts the release
+    assert mid.lanes_s == pytest.approx(12e9 / 50e9 - STEP_PROLOGUE_SHARE * 0.5 + 1e9 / 100e9 + 12e9 / 50e9)
 
 
 def test_resident_subgroups_stream_nothing_by_hand():

@@ -101,6 +101,7 @@ class _State:
     bwd_watermark: Optional[int] = None
     slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
     step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
+    early_norm: bool = True  # likewise: off = DeepSpeed's order (release the parameters, then the norm)
     raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
@@ -527,8 +528,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """The step's half of overlap_backward: hand the worker the real factor (its fp32 value), wait for the CPU
         lane, then swap the committed subgroups' shadow buffers in (``inv_f`` None: the step is skipped)."""
         dos = self._dos
-        commit = inv_f is not None and inv_f == dos.overlap.spec_inv
-        out: StepOutcome = dos.overlap.finish(inv_f, commit)
+        out: StepOutcome = dos.overlap.finish(inv_f, self._dostune_may_commit(inv_f))
         for i in out.committed:
             fp32 = self.fp32_partitioned_groups_flat[i]
             state = self.optimizer.state[fp32]
@@ -543,6 +543,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         st["committed"] += len(out.committed)
         trace += [(lane, i, a, b) for lane, i, a, b in out.spans]
         self._dostune_reset_overlap()
+
+    def _dostune_may_commit(self, inv_f: Optional[float]) -> bool:
+        """Whether the CPU lane's speculative updates used this step's real factor (``inv_f`` None: skipped step)."""
+        return inv_f is not None and inv_f == self._dos.overlap.spec_inv
 
     def _dostune_reset_overlap(self) -> None:
         dos = self._dos
@@ -739,7 +743,13 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                              time.perf_counter())
         self._dostune_step_prefetch()
         self._pre_step()
-        self._partition_all_parameters()
+        # DeepSpeed releases every gathered parameter first (_partition_all_parameters: ~50 ms of Python for
+        # gpt2-1.3b on the H100, the GPU idle). It neither reads the gradients nor writes the partitions the lanes
+        # update, so the global norm comes first (early_norm) and the lanes run while the host releases the
+        # parameters; the values are the same either way.
+        late_partition = self._dos.early_norm
+        if not late_partition:
+            self._partition_all_parameters()
 
         # Same order as the parent: raw overflow first, then the global norm, then the loss-scale update
         # (which skips the step and clears gradients on overflow).
@@ -760,6 +770,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dos.reset_slots()
             if self._dos.overlap is not None:
                 self._dostune_finish_overlap(None, [])
+            if late_partition:
+                self._partition_all_parameters()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
 
@@ -767,7 +779,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.timers(OPTIMIZER_STEP_TIMER).start()
         self._dostune_sync_beta_powers()
         t0 = time.perf_counter()
-        self._dostune_update(self._combined_scale(scaled_global_grad_norm))
+        self._dostune_update(self._combined_scale(scaled_global_grad_norm),
+                             self._partition_all_parameters if late_partition else None)
         self._dos.last_step_s = time.perf_counter() - t0
         self._dos.steps += 1
         self._dos.beta_step = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
@@ -810,7 +823,9 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return combined_scale
 
     @torch.no_grad()
-    def _dostune_update(self, combined_scale) -> None:
+    def _dostune_update(self, combined_scale, host_work=None) -> None:
+        """Both lanes for this step; ``host_work`` (if given) runs on the host once the GPU lane is queued and the
+        CPU lane has the real factor, i.e. while both lanes work."""
         dos = self._dos
         q, plan, sched = dos.queues, dos.plan, dos.schedule
         inv = 1. / combined_scale
@@ -827,6 +842,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         inv32 = float(np.float32(inv_f))  # what the speculative updates' factor is compared with
         done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(inv32, trace)
         self._dostune_queue_gpu_lane(inv_f, trace, [i for i in plan.gpu_subgroups if i not in done], scalars)
+        if dos.overlap is not None:
+            dos.overlap.submit(inv32, self._dostune_may_commit(inv32))
+        if host_work is not None:
+            host_work()
         if dos.overlap is not None:
             self._dostune_finish_overlap(inv32, trace)
         else:

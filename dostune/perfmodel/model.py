@@ -27,6 +27,10 @@ BACKWARD_CPU_SLOWDOWN = 1.0
 # gradient norm): 86 of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (scripts/device-trace.py). The
 # GPU lane's first staging slots stream in meanwhile (the step prefetch).
 STEP_PROLOGUE_SHARE = 0.85
+# Of that prologue, the part that is DeepSpeed releasing the gathered parameters (57 of 98 ms in the same trace,
+# results/h100/resident-gpt2-1.3b/trace-summary.txt). dostune computes the gradient norm before it, so the lanes
+# (GPU Adam, write-backs, the CPU lane's last subgroups) run while the host releases the parameters.
+STEP_RELEASE_SHARE = 0.58
 
 
 @dataclass
@@ -145,7 +149,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     final, and the write-back follows; the rest of the GPU lane runs in the step.
 
     Time 0 is where DeepSpeed's step prologue ends (``STEP_PROLOGUE_SHARE`` of ``overhead_s``); the states of the
-    GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it. The
+    GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it, and the
+    lanes may compute from where the gradient norm is known, before the parameter release that ends the prologue
+    (``STEP_RELEASE_SHARE`` of ``overhead_s``); the step cannot end before the release does. The
     first ``resident_subgroups`` GPU-lane subgroups keep their states on the GPU: no copy in or out, and they go
     first."""
     threads = sched.cpu_threads or inp.default_threads
@@ -163,10 +169,11 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     bwd_gpu = sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups] if overlap else []
     resident = gpu[:sched.resident_subgroups]
     prologue = STEP_PROLOGUE_SHARE * overhead_s if not bwd_gpu else 0.0
+    release = min(STEP_RELEASE_SHARE, STEP_PROLOGUE_SHARE) * overhead_s if not bwd_gpu else 0.0
 
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
-    h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else 0.0
+    h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else -release
     for i in resident:  # nothing to copy: their kernels go first
         t = inp.gpu_adam.t(sizes[i])
         spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
@@ -191,7 +198,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         if end > start:
             spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
         h2d_free = end
-        c0 = max(end, comp_free, bwd * (ready_fraction[i] - 1.0) if during else 0.0)
+        c0 = max(end, comp_free, bwd * (ready_fraction[i] - 1.0) if during else -release)
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
