@@ -3,9 +3,10 @@ dostune config and variants of its schedule, all in one process (machines differ
     python3 scripts/device-profile-backward.py CONFIG [PATCH ...]
 PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_subgroups": 2}' (a key starting with
 "_" sets that attribute of the optimizer's private state instead, e.g. '{"_step_prefetch": false}', or of one of its
-members, e.g. '{"_overlap.nontemporal": true}'); the config runs
-as is first. With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA
-calls and GPU operations are printed."""
+members, e.g. '{"_overlap.nontemporal": true}'); the config runs as is first. ALT='{"_early_norm": false}' applies
+private settings on every other iteration of each engine and reports both halves (an A/B without the drift between
+engines built one after another). With PROFILE=1 the first run's last iteration is recorded with torch.profiler and
+its top host-side CUDA calls and GPU operations are printed."""
 import json
 import os
 import statistics
@@ -20,21 +21,34 @@ from dostune.train.engine import build_engine
 ITERS, WARMUP = 8, 3
 
 
+def set_private(engine, key: str, value, read: bool = False):
+    """Set (or with ``read`` return) an attribute of the optimizer's private state; "a.b" is attribute b of its
+    member a (e.g. overlap.nontemporal)."""
+    obj = engine.optimizer._dos
+    *path, name = key.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    if read:
+        return getattr(obj, name)
+    setattr(obj, name, value)
+
+
 def run(cfg: dict, profile: bool, label: str) -> None:
     spec = resolve_model("gpt2-1.3b")
     # Keys starting with "_" set attributes of the optimizer's private state (A/B toggles such as _step_prefetch).
     private = {k[1:]: cfg["dostune"].pop(k) for k in list(cfg.get("dostune", {})) if k.startswith("_")}
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)
-    for k, v in private.items():  # "a.b" sets attribute b of the private state's member a (e.g. overlap.nontemporal)
-        obj = engine.optimizer._dos
-        *path, name = k.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, name, v)
+    for k, v in private.items():
+        set_private(engine, k, v)
+    # ALT: private settings applied on every other iteration of the same engine, the cleanest A/B on a noisy machine
+    alt = {k.lstrip("_"): v for k, v in json.loads(os.environ.get("ALT", "{}")).items()}
+    alt_default = {k: set_private(engine, k, None, read=True) for k in alt}
     gen = torch.Generator().manual_seed(1)
-    times = []
+    times, alt_times = [], []
     prof = None
-    for k in range(WARMUP + ITERS):
+    for k in range(WARMUP + 2 * ITERS if alt else WARMUP + ITERS):
+        for key in alt:
+            set_private(engine, key, alt[key] if k % 2 else alt_default[key])
         batch = spec.batch(8, 1024, gen, engine.device)
         torch.cuda.synchronize()
         if profile and k == WARMUP + ITERS - 1:
@@ -52,12 +66,14 @@ def run(cfg: dict, profile: bool, label: str) -> None:
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         if k >= WARMUP:
-            times.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+            (alt_times if alt and k % 2 else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
     if prof is not None:
         prof.__exit__(None, None, None)
-    med = [statistics.median(t[j] for t in times) for j in range(4)]
-    print(f"== {label}: median fwd {med[0]:.3f} bwd {med[1]:.3f} step {med[2]:.3f} iter {med[3]:.3f} s "
-          f"({ITERS} iterations); overlap stats {engine.optimizer.dostune_overlap_stats}", flush=True)
+    for name, ts in ((label, times), (f"{label}, alternate iterations with {alt}", alt_times)):
+        if ts:
+            med = [statistics.median(t[j] for t in ts) for j in range(4)]
+            print(f"== {name}: median fwd {med[0]:.3f} bwd {med[1]:.3f} step {med[2]:.3f} iter {med[3]:.3f} s "
+                  f"({len(ts)} iterations); overlap stats {engine.optimizer.dostune_overlap_stats}", flush=True)
     if prof is not None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))

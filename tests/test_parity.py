@@ -317,3 +317,31 @@ def test_every_parameter_is_released_after_a_step_and_a_skipped_step(early_norm)
         assert engine.skipped_steps == 1
     finally:
         engine.destroy()
+
+
+@pytest.mark.slow
+def test_gil_switch_interval_is_short_only_while_the_cpu_lane_works():
+    import sys
+
+    from dostune.optim.overlap import LANE_SWITCH_INTERVAL_S
+    from dostune.models.registry import loss_of, resolve_model
+    from dostune.train.engine import build_engine
+    from dostune.dsconfig import OffloadSettings, deepspeed_config
+    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE
+
+    spec = resolve_model(MODEL)
+    cfg = deepspeed_config(base_settings(precision="bf16"),
+                           OffloadSettings(sub_group_size=SUB_GROUP_SIZE, schedule=SCHEDULES["overlap"]))
+    before = sys.getswitchinterval()
+    assert before > LANE_SWITCH_INTERVAL_S
+    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(2):
+            engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))))
+            assert sys.getswitchinterval() == LANE_SWITCH_INTERVAL_S  # the CPU lane took subgroups in backward
+            engine.step()
+            assert sys.getswitchinterval() == before
+    finally:
+        engine.destroy()
+    assert sys.getswitchinterval() == before

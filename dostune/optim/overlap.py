@@ -26,6 +26,7 @@ low-priority CUDA stream as each subgroup finishes.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,13 @@ def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bo
     the global norm can only be larger. The test DeepSpeed's clipping applies, on the partial norm."""
     norm = float(np.sqrt(float(partial_sq)))
     return not np.isfinite(norm) or (clip is not None and clip > 0 and norm / loss_scale + 1e-6 > clip)
+
+
+HALF_RING_BYTES = 512 * 2**20
+# While the CPU lane has work, a thread waiting for the GIL gets it after this long instead of Python's default
+# 5 ms: the worker needs it briefly a few times per subgroup (between C calls that release it), and the host thread
+# it waits on runs long stretches of Python (backward's hooks, DeepSpeed's step prologue).
+LANE_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -90,8 +98,13 @@ class BackwardOverlap:
         self.cuda = device.type == "cuda"
         self.threads_backward, self.threads_step = threads_backward, threads_step
         self._shadows: dict[int, Buffers] = {}
-        self._halves: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]  # grown to the subgroup on first use
-        self._half_done: list = [None, None]
+        # Pinned half-precision results waiting for their upload, used round robin. The uploads of the subgroups
+        # left to the step queue behind the GPU lane's copies in: with only two buffers the worker waited for them
+        # (the H100 timeline of results/h100/nt-gpt2-1.3b: CPU Adam idle 38 ms), so there are as many as fit in
+        # HALF_RING_BYTES, at least two.
+        self._halves: list[torch.Tensor] = []
+        self._half_done: list = []
+        self._switch_interval: Optional[float] = None
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
         self._tasks: queue.Queue = queue.Queue()
@@ -101,6 +114,7 @@ class BackwardOverlap:
         # kernel runs at 3.6-4.1 G elements/s with them, 2.9-3.3 without (scripts/device-cpu-kernel.py), and the
         # gpt2-1.3b iteration took 0.542 s against 0.617 s (scripts/device-profile-backward.py). Off only for A/B.
         self.nontemporal = True
+        self.fast_switch = True  # see LANE_SWITCH_INTERVAL_S; off only for A/B
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -132,6 +146,7 @@ class BackwardOverlap:
         self.loss_scale = loss_scale
         self.clip_threshold = clip if clip > 0 else None
         self._ensure_thread()
+        self._lane_busy(True)
 
     def prepare(self) -> None:
         """Fix this step's Adam constants if backward did not (call before anything advances step counts)."""
@@ -156,6 +171,7 @@ class BackwardOverlap:
             self._tasks.put(("ready", i, None, None))
         self._tasks.put(("final", inv, commit))
         self._submitted = (inv, commit)
+        self._lane_busy(True)
 
     def finish(self, inv: Optional[float], commit: bool) -> StepOutcome:
         """Wait for the CPU lane to finish this step (submitting the factor first if ``submit`` was not called)."""
@@ -164,6 +180,7 @@ class BackwardOverlap:
         elif self._submitted != (inv, commit):
             raise RuntimeError(f"CPU lane: finish{(inv, commit)} after submit{self._submitted}")
         self._done.wait()
+        self._lane_busy(False)
         if self._error is not None:
             err = self._error
             self._begin_step()
@@ -174,6 +191,15 @@ class BackwardOverlap:
             out.redone = 0 if commit else len(self._speculative)
         self._begin_step()
         return out
+
+    def _lane_busy(self, busy: bool) -> None:
+        """Shorten Python's GIL switch interval while the worker has work (see LANE_SWITCH_INTERVAL_S)."""
+        if busy and self.fast_switch and self._switch_interval is None:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, LANE_SWITCH_INTERVAL_S))
+        elif not busy and self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def shadow(self, i: int) -> Buffers:
         return self._shadows[i]
@@ -188,6 +214,7 @@ class BackwardOverlap:
             self._thread.start()
 
     def close(self) -> None:
+        self._lane_busy(False)
         if self._thread is not None and self._thread.is_alive():
             self._tasks.put(("stop",))
             self._thread.join(timeout=60)
@@ -245,6 +272,13 @@ class BackwardOverlap:
             b = self._shadows[i] = pinned_shadows(i, n, self._pin, "shadow")
         return b
 
+    def _half_slot(self, n: int, dtype: torch.dtype) -> int:
+        if not self._halves:
+            count = max(2, min(len(self.subgroups), HALF_RING_BYTES // max(1, n * dtype.itemsize)))
+            self._halves = [torch.empty(0) for _ in range(count)]
+            self._half_done = [None] * count
+        return len(self._spans) % len(self._halves)
+
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._halves[k]
         if buf.numel() < n or buf.dtype != dtype:
@@ -256,7 +290,7 @@ class BackwardOverlap:
         io = self._io(i)
         b = self._buffers(i, io)
         n = io.param.numel()
-        k = len(self._spans) % 2
+        k = self._half_slot(n, io.half.dtype)
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
         half = self._half_buffer(k, n, io.half.dtype)
@@ -286,7 +320,7 @@ class BackwardOverlap:
     def _sync_uploads(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        self._half_done = [None, None]
+        self._half_done = [None] * len(self._halves)
 
     @staticmethod
     def spec_factor(loss_scale: float) -> float:
