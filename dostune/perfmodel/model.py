@@ -22,6 +22,8 @@ GRAD_BYTES = 4
 # gradients in place: medians of 30.3-33.0 ms per 100M-element subgroup during backward against 30.8 ms predicted
 # from the node profile at 16 threads (ratios 0.98-1.07). Reading fp32 gradients it had been 1.1-1.17
 # (overlap-gpt2-1.3b/overlap-g43-clip0.json, tuned-clip0.json); on a busier machine 83-151 ms per 200M.
+# With streaming stores in the kernel and 25M-element subgroups (results/h100/nt-gpt2-1.3b, ring-clip0 of the same
+# session on another machine): 0.80 and 1.00; kept at 1.0, the machines differ more than that.
 BACKWARD_CPU_SLOWDOWN = 1.0
 # The share of DeepSpeed's step overhead that comes before the lanes can compute (releasing the parameters, the
 # gradient norm): 86 of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (scripts/device-trace.py). The
