@@ -111,8 +111,9 @@ class BackwardOverlap:
         # Stop speculating once the partial norm makes clipping certain (off only in tests of the redo path).
         self.partial_norm_cutoff = True
         # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
-        # kernel runs at 3.6-4.1 G elements/s with them, 2.9-3.3 without (scripts/device-cpu-kernel.py), and the
-        # gpt2-1.3b iteration took 0.542 s against 0.617 s (scripts/device-profile-backward.py). Off only for A/B.
+        # kernel runs at 3.6-4.1 G elements/s with them, 2.9-3.3 without (scripts/device-cpu-kernel.py); gpt2-1.3b on
+        # alternate iterations of one engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without
+        # (results/README.md, nt-gpt2-1.3b). Off only for A/B.
         self.nontemporal = True
         self.fast_switch = True  # see LANE_SWITCH_INTERVAL_S; off only for A/B
         self._thread: Optional[threading.Thread] = None
@@ -272,9 +273,10 @@ class BackwardOverlap:
             b = self._shadows[i] = pinned_shadows(i, n, self._pin, "shadow")
         return b
 
-    def _half_slot(self, n: int, dtype: torch.dtype) -> int:
+    def _half_slot(self, dtype: torch.dtype) -> int:
         if not self._halves:
-            count = max(2, min(len(self.subgroups), HALF_RING_BYTES // max(1, n * dtype.itemsize)))
+            widest = max(self._io(j).param.numel() for j in self.subgroups)
+            count = max(2, min(len(self.subgroups), HALF_RING_BYTES // max(1, widest * dtype.itemsize)))
             self._halves = [torch.empty(0) for _ in range(count)]
             self._half_done = [None] * count
         return len(self._spans) % len(self._halves)
@@ -290,7 +292,7 @@ class BackwardOverlap:
         io = self._io(i)
         b = self._buffers(i, io)
         n = io.param.numel()
-        k = self._half_slot(n, io.half.dtype)
+        k = self._half_slot(io.half.dtype)
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
         half = self._half_buffer(k, n, io.half.dtype)
