@@ -7,7 +7,7 @@ import torch
 
 from dostune.optim.schedule import ScheduleConfig
 
-from parity_helpers import base_settings, reference, rel_diff, run
+from parity_helpers import base_settings, reference, rel_diff, run, tiny_engine
 
 TOL = 1e-6
 
@@ -196,17 +196,10 @@ def test_states_are_prefetched_during_backward_and_released_after_the_step():
     """The prefetch path must really run before the step (else the parity tests above would not cover it):
     after backward the first staging slots already hold their subgroups' fp32 params and Adam states."""
     from dostune.models.registry import loss_of
-    from dostune.train.engine import build_engine
+    from parity_helpers import SEQ
 
-    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE, base_settings
-    from dostune.dsconfig import OffloadSettings, deepspeed_config
-    from dostune.models.registry import resolve_model
-
-    spec = resolve_model(MODEL)
     sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True, trace=True)
-    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(sub_group_size=SUB_GROUP_SIZE,
-                                                                            pin_memory=False, schedule=sched))
-    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    spec, engine = tiny_engine(base_settings(precision="bf16"), sched, pin_memory=False)
     opt = engine.optimizer
     try:
         for _ in range(2):  # the second iteration starts from states the first step wrote
@@ -230,15 +223,7 @@ def test_states_are_prefetched_during_backward_and_released_after_the_step():
 def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():
     """The saving is real only if the fast path is taken: every subgroup maps onto DeepSpeed's gradient-partition
     buffer, and the CPU lane during backward reads its gradients there (no fp32 copy)."""
-    from dostune.dsconfig import OffloadSettings, deepspeed_config
-    from dostune.models.registry import resolve_model
-    from dostune.train.engine import build_engine
-
-    from parity_helpers import MODEL, SUB_GROUP_SIZE
-
-    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(sub_group_size=SUB_GROUP_SIZE,
-                                                                            schedule=SCHEDULES["overlap"]))
-    engine = build_engine(resolve_model(MODEL), cfg, seed=0, use_dostune=True)
+    _, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap"])
     opt = engine.optimizer
     try:
         assert sorted(opt._dos.grad_slices) == list(range(len(opt.fp16_groups)))
@@ -258,15 +243,10 @@ def test_loading_a_checkpoint_into_a_running_engine_replaces_resident_states(tmp
 def checkpoint_into_running_engine(tmp_path, pin_memory: bool = False):
     """Resident subgroups hold their states on the GPU lane's device between steps; a checkpoint loaded into the same
     engine must replace them, not just the host copies DeepSpeed writes."""
-    from dostune.dsconfig import OffloadSettings, deepspeed_config
-    from dostune.models.registry import resolve_model
-    from dostune.train.engine import build_engine, master_weights, train_steps
-    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE
+    from dostune.train.engine import master_weights, train_steps
+    from parity_helpers import SEQ
 
-    spec = resolve_model(MODEL)
-    cfg = deepspeed_config(base_settings(precision="bf16"), OffloadSettings(
-        sub_group_size=SUB_GROUP_SIZE, pin_memory=pin_memory, schedule=SCHEDULES["overlap-resident"]))
-    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap-resident"], pin_memory=pin_memory)
     try:
         train_steps(engine, spec, 3, seq=SEQ, seed=1)
         engine.save_checkpoint(str(tmp_path), tag="s3")
@@ -288,16 +268,11 @@ def test_every_parameter_is_released_after_a_step_and_a_skipped_step(early_norm)
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from dostune.models.registry import loss_of
-    from dostune.train.engine import build_engine
-    from dostune.dsconfig import OffloadSettings, deepspeed_config
-    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE
-    from dostune.models.registry import resolve_model
+    from parity_helpers import SEQ
 
-    spec = resolve_model(MODEL)
-    cfg = deepspeed_config(base_settings(precision="bf16"),
-                           OffloadSettings(sub_group_size=SUB_GROUP_SIZE, schedule=SCHEDULES["overlap-resident"]))
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # else this small model's are all persistent
-    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    # persistence threshold 0: else every parameter of this small model is persistent, never gathered or released
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap-resident"],
+                               zero_overrides={"stage3_param_persistence_threshold": 0})
     engine.optimizer._dos.early_norm = early_norm
     gen = torch.Generator().manual_seed(1)
     try:
@@ -324,17 +299,12 @@ def test_gil_switch_interval_is_short_only_while_the_cpu_lane_works():
     import sys
 
     from dostune.optim.overlap import LANE_SWITCH_INTERVAL_S
-    from dostune.models.registry import loss_of, resolve_model
-    from dostune.train.engine import build_engine
-    from dostune.dsconfig import OffloadSettings, deepspeed_config
-    from parity_helpers import MODEL, SEQ, SUB_GROUP_SIZE
+    from dostune.models.registry import loss_of
+    from parity_helpers import SEQ
 
-    spec = resolve_model(MODEL)
-    cfg = deepspeed_config(base_settings(precision="bf16"),
-                           OffloadSettings(sub_group_size=SUB_GROUP_SIZE, schedule=SCHEDULES["overlap"]))
     before = sys.getswitchinterval()
     assert before > LANE_SWITCH_INTERVAL_S
-    engine = build_engine(spec, cfg, seed=0, use_dostune=True)
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap"])
     gen = torch.Generator().manual_seed(1)
     try:
         for _ in range(2):

@@ -783,8 +783,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # gpt2-1.3b on the H100, the GPU idle). It neither reads the gradients nor writes the partitions the lanes
         # update, so the global norm comes first (early_norm) and the lanes run while the host releases the
         # parameters; the values are the same either way.
-        late_partition = self._dos.early_norm
-        if not late_partition:
+        release_after_norm = self._dos.early_norm
+        if not release_after_norm:
             self._partition_all_parameters()
 
         # Same order as the parent: raw overflow first, then the global norm, then the loss-scale update
@@ -806,7 +806,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dos.reset_slots()
             if self._dos.overlap is not None:
                 self._dostune_finish_overlap(None, [])
-            if late_partition:
+            if release_after_norm:
                 self._partition_all_parameters()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
@@ -816,7 +816,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._dostune_sync_beta_powers()
         t0 = time.perf_counter()
         self._dostune_update(self._combined_scale(scaled_global_grad_norm),
-                             self._partition_all_parameters if late_partition else None)
+                             self._partition_all_parameters if release_after_norm else None)
         self._dos.last_step_s = time.perf_counter() - t0
         self._dos.steps += 1
         self._dos.beta_step = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
