@@ -116,6 +116,8 @@ class BackwardOverlap:
         # (results/README.md, nt-gpt2-1.3b). Off only for A/B.
         self.nontemporal = True
         self.fast_switch = True  # see LANE_SWITCH_INTERVAL_S; off only for A/B
+        # Off: every update waits for the step (to measure what the CPU lane's work costs backward; A/B only).
+        self.speculate = True
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -143,7 +145,7 @@ class BackwardOverlap:
         """Called at the first ready subgroup of a backward: fixes this step's Adam constants and whether
         (and up to which partial norm) speculation is allowed. ``spec_inv`` None: never speculate."""
         self.prepare()
-        self.spec_inv = spec_inv
+        self.spec_inv = spec_inv if self.speculate else None
         self.loss_scale = loss_scale
         self.clip_threshold = clip if clip > 0 else None
         self._ensure_thread()

@@ -103,6 +103,7 @@ class _State:
     step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
     early_norm: bool = True  # likewise: off = DeepSpeed's order (release the parameters, then the norm)
     raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
+    own_prefetch_event: bool = True  # likewise: off = a prefetched subgroup's update waits for all h2d copies queued
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
@@ -942,19 +943,27 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if slot is None:
                 slot = dos.slots[idx] = self._dostune_new_slot(width, need_grads)
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
-            with q.on("h2d"):
-                q.wait("h2d", slot["ready"])
-                if early is not None:  # params and states came in during backward or DeepSpeed's prologue
-                    trace.append(("h2d", i, *early))
-                else:
-                    t_in = q.record("h2d")
-                    p.copy_(fp32.data, non_blocking=True)
-                    m.copy_(state["exp_avg"], non_blocking=True)
-                    v.copy_(state["exp_avg_sq"], non_blocking=True)
-                if need_grads:
-                    t_in = q.record("h2d") if early is not None else t_in
-                    slot["g"][:n].copy_(fp32.grad, non_blocking=True)
-                h2d_done = q.record("h2d")
+            if early is not None and not need_grads and dos.own_prefetch_event:
+                # Params and states came in during backward or DeepSpeed's prologue and nothing else is to copy:
+                # the update waits for this subgroup's own copies. An event recorded now would follow every copy
+                # queued on the h2d stream so far, i.e. all the prefetched slots (the H100 timeline of
+                # results/h100/nt-gpt2-1.3b: the first streamed subgroup's Adam waited ~16 ms for the other two).
+                h2d_done = early[1]
+                trace.append(("h2d", i, *early))
+            else:
+                with q.on("h2d"):
+                    q.wait("h2d", slot["ready"])
+                    if early is not None:
+                        trace.append(("h2d", i, *early))
+                    else:
+                        t_in = q.record("h2d")
+                        p.copy_(fp32.data, non_blocking=True)
+                        m.copy_(state["exp_avg"], non_blocking=True)
+                        v.copy_(state["exp_avg_sq"], non_blocking=True)
+                    if need_grads:
+                        t_in = q.record("h2d") if early is not None else t_in
+                        slot["g"][:n].copy_(fp32.grad, non_blocking=True)
+                    h2d_done = q.record("h2d")
             g = slot["g"][:n] if need_grads else dos.device_grads.get(i)
             if g is None:  # no gradient reached this subgroup (e.g. unused parameters): DeepSpeed's is zeros
                 with q.on("compute"):
