@@ -6,7 +6,10 @@ PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_sub
 members, e.g. '{"_overlap.nontemporal": true}'); the config runs as is first. ALT='{"_early_norm": false}' applies
 private settings on every other iteration of each engine and reports both halves (an A/B without the drift between
 engines built one after another). With PROFILE=1 the first run's last iteration is recorded with torch.profiler and
-its top host-side CUDA calls and GPU operations are printed."""
+its top host-side CUDA calls and GPU operations are printed. Each run also reports the time Python's garbage collector
+took per phase (median ms per iteration); GCFREEZE=1 calls gc.freeze() once the engine is built, so the collector
+no longer walks the objects that exist by then."""
+import gc
 import json
 import os
 import statistics
@@ -19,6 +22,27 @@ from dostune.models.registry import loss_of, resolve_model
 from dostune.train.engine import build_engine
 
 ITERS, WARMUP = 8, 3
+
+
+class GcClock:
+    """Seconds the garbage collector ran, added to the phase named in ``phase``."""
+
+    def __init__(self):
+        self.phase, self.spent, self._t0 = None, {}, None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, what, info):
+        if what == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None and self.phase is not None:
+            self.spent[self.phase] = self.spent.get(self.phase, 0.0) + time.perf_counter() - self._t0
+
+    def take(self) -> dict:
+        out, self.spent = self.spent, {}
+        return out
+
+    def close(self):
+        gc.callbacks.remove(self._cb)
 
 
 def set_private(engine, key: str, value, read: bool = False):
@@ -40,6 +64,11 @@ def run(cfg: dict, profile: bool, label: str) -> None:
     engine = build_engine(spec, cfg, seed=0, use_dostune=True)
     for k, v in private.items():
         set_private(engine, k, v)
+    if os.environ.get("GCFREEZE") == "1":
+        gc.collect()
+        gc.freeze()
+    clock = GcClock()
+    gcs, alt_gcs = [], []
     # ALT: private settings applied on every other iteration of the same engine, the cleanest A/B on a noisy machine
     alt = {k.lstrip("_"): v for k, v in json.loads(os.environ.get("ALT", "{}")).items()}
     alt_default = {k: set_private(engine, k, None, read=True) for k in alt}
@@ -55,25 +84,35 @@ def run(cfg: dict, profile: bool, label: str) -> None:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
+        clock.take()
         t0 = time.perf_counter()
+        clock.phase = "fwd"
         loss = loss_of(engine(**batch))
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        clock.phase = "bwd"
         engine.backward(loss)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        clock.phase = "step"
         engine.step()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        clock.phase = None
         if k >= WARMUP:
             (alt_times if alt and k % 2 else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+            (alt_gcs if alt and k % 2 else gcs).append(clock.take())
+    clock.close()
     if prof is not None:
         prof.__exit__(None, None, None)
-    for name, ts in ((label, times), (f"{label}, alternate iterations with {alt}", alt_times)):
+    for name, ts, gs in ((label, times, gcs), (f"{label}, alternate iterations with {alt}", alt_times, alt_gcs)):
         if ts:
             med = [statistics.median(t[j] for t in ts) for j in range(4)]
+            gc_ms = " ".join(f"{ph} {1e3 * statistics.median(g.get(ph, 0.0) for g in gs):.1f}"
+                             for ph in ("fwd", "bwd", "step"))
             print(f"== {name}: median fwd {med[0]:.3f} bwd {med[1]:.3f} step {med[2]:.3f} iter {med[3]:.3f} s "
-                  f"({len(ts)} iterations); overlap stats {engine.optimizer.dostune_overlap_stats}", flush=True)
+                  f"({len(ts)} iterations; gc ms {gc_ms}); overlap stats {engine.optimizer.dostune_overlap_stats}",
+                  flush=True)
     if prof is not None:
         ka = prof.key_averages()
         print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
