@@ -85,3 +85,74 @@ def test_cli_bench_bad_input():
     assert r.exit_code == 2 and "--schedule is not valid JSON" in r.output
     r = CliRunner().invoke(app, ["bench", "--schedule", '{"gpu_fraction": 3}'])
     assert r.exit_code == 2 and "dostune.gpu_fraction" in r.output
+
+
+def _fake(name: str, iters: list[float], peak: float, ran: bool = True):
+    from dostune.bench.record import MethodResult
+    from dostune.stats import Stat
+
+    if not ran:
+        return MethodResult(method=name, description=name, ran=False, error="boom")
+    samples = {k: [x / 4 for x in iters] for k in ("fwd", "bwd", "step")} | {"iter": list(iters)}
+    st = {k: Stat.of(v) for k, v in samples.items()}
+    return MethodResult(method=name, description=name, iter_s=st["iter"].median, fwd_s=st["fwd"].median,
+                        bwd_s=st["bwd"].median, step_s=st["step"].median, iter=st["iter"], fwd=st["fwd"],
+                        bwd=st["bwd"], step=st["step"], peak_gpu_gib=peak, phase_peak_gib={"fwd": peak, "step": 1.0},
+                        update_gelem_s=2.0, final_loss=1.5, losses=[2.0, 1.5], samples=samples,
+                        round_iter_s=[st["iter"].median])
+
+
+def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
+    a = _fake("dostune", [1.0, 2.0, 3.0], peak=5.0)
+    b = _fake("dostune", [4.0, 5.0, 6.0], peak=7.0)
+    p = bench_run.pool_rounds([a, b])
+    assert p.iter_s == 3.5 and p.iter.n == 6 and p.iter.lo == 1.0 and p.iter.hi == 6.0
+    assert p.samples["iter"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and p.round_iter_s == [2.0, 5.0]
+    assert p.step_s == 3.5 / 4 and p.peak_gpu_gib == 7.0 and p.phase_peak_gib == {"fwd": 7.0, "step": 1.0}
+    assert p.update_gelem_s == pytest.approx(2.0 * 0.5 / (3.5 / 4), abs=1e-3)  # same elements, pooled step time
+    assert bench_run.pool_rounds([a]) is a
+    failed = bench_run.pool_rounds([a, _fake("dostune", [], 0.0, ran=False)])
+    assert not failed.ran and failed.error == "boom"
+
+
+def test_rounds_reverse_the_order_and_pool(monkeypatch):
+    order = []
+    times = {"zero-offload": [[4.0, 4.0], [6.0, 6.0]], "dostune": [[1.0, 1.0], [3.0, 3.0]]}
+
+    def fake_run(name, spec, opts, offload, progress):
+        order.append(name)
+        return _fake(name, times[name][sum(1 for n in order if n == name) - 1], peak=1.0)
+
+    monkeypatch.setattr(bench_run, "run_method", fake_run)
+    opts = bench_run.BenchOptions(model="gpt2-tiny", seq=32, methods=["dostune", "zero-offload"], rounds=3)
+    with pytest.raises(IndexError):  # a third round asks for a third set of figures: it ran
+        bench_run.run_bench(opts, command="pytest")
+    assert order == ["zero-offload", "dostune", "dostune", "zero-offload", "zero-offload"]
+    order.clear()
+    res = bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", seq=32, methods=["dostune", "zero-offload"],
+                                                     rounds=2), command="pytest")
+    assert order == ["zero-offload", "dostune", "dostune", "zero-offload"]
+    assert res.rounds == 2 and res.methods["dostune"].iter_s == 2.0 and res.methods["zero-offload"].iter_s == 5.0
+    assert res.speedup("dostune") == 2.5
+    md = markdown(res)
+    assert "2 rounds x 8 iterations" in md and "- `dostune`: 1.000, 3.000" in md
+    with pytest.raises(DostuneError, match="--rounds"):
+        bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", rounds=0))
+
+
+def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
+    import json
+
+    res, _ = tiny_bench
+    data = json.loads(res.model_dump_json())
+    data["schema_version"] = 1
+    del data["rounds"]
+    for m in data["methods"].values():
+        del m["samples"], m["round_iter_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_bench(tmp_path / "old.json")
+    assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
+    data["schema_version"] = 3
+    (tmp_path / "new.json").write_text(json.dumps(data))
+    with pytest.raises(Exception, match="schema_version"):
+        load_bench(tmp_path / "new.json")

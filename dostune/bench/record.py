@@ -8,7 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..profile.record import check_version, read_json_record
 from ..stats import Stat
 
-BENCH_SCHEMA_VERSION = 1
+# 2: rounds, and each method's per-iteration samples and per-round medians. Version 1 records (one round) still
+# load: the new fields take their defaults.
+BENCH_SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 BENCH_KIND = "dostune.bench"
 
 
@@ -46,6 +49,9 @@ class MethodResult(_Record):
     losses: list[float] = Field(default_factory=list)
     ds_config: dict = Field(default_factory=dict)
     timeline: list[Span] = Field(default_factory=list)
+    # Seconds of every timed iteration, per phase (fwd, bwd, step, iter), all rounds in the order they ran.
+    samples: dict[str, list[float]] = Field(default_factory=dict)
+    round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
 
 
 class BenchResult(_Record):
@@ -66,7 +72,8 @@ class BenchResult(_Record):
     clip: float = 1.0  # gradient clipping of every method (records before it existed used 1.0)
     world_size: int = 1
     warmup: int
-    iters: int
+    iters: int  # timed iterations per method and round
+    rounds: int = 1  # every method measured this many times, the order reversed every other round
     seed: int
     methods: dict[str, MethodResult]
 
@@ -84,7 +91,9 @@ def load_bench(path) -> BenchResult:
     from ..profile.record import _format_validation_error
 
     data = read_json_record(path, "bench result")
-    check_version(data, path, BENCH_KIND, BENCH_SCHEMA_VERSION)
+    check_version(data, path, BENCH_KIND, data.get("schema_version") if data.get("schema_version") in
+                  READABLE_VERSIONS else BENCH_SCHEMA_VERSION)
+    data["schema_version"] = BENCH_SCHEMA_VERSION
     try:
         return BenchResult.model_validate(data)
     except ValidationError as e:

@@ -26,15 +26,27 @@ def rows(res: BenchResult) -> list[list[str]]:
     return out
 
 
+def _repeats(res: BenchResult) -> str:
+    if res.rounds == 1:
+        return f"medians of {res.iters} iterations after {res.warmup} warm-up"
+    return (f"medians of {res.rounds} rounds x {res.iters} iterations ({res.warmup} warm-up each), the methods "
+            f"in reverse order every other round")
+
+
 def markdown(res: BenchResult) -> str:
     lines = [f"# dostune bench: {res.model} on {res.node}", "",
              f"{res.params / 1e9:.2f}B parameters, {res.precision}, micro-batch {res.micro_batch}, sequence {res.seq}, "
-             f"world size {res.world_size}; medians of {res.iters} iterations after {res.warmup} warm-up; "
+             f"world size {res.world_size}; {_repeats(res)}; "
              f"GPU {res.gpu}; DeepSpeed {res.deepspeed_version}, torch {res.torch_version}, dostune "
              f"{res.dostune_version}; {res.created}.", "",
              f"Command: `{res.command}`", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(res)]
+    if res.rounds > 1:
+        lines += ["", "Median iteration time of each round (s; odd rounds in the order above, even rounds reversed):",
+                  ""]
+        lines += [f"- `{n}`: " + ", ".join(f"{x:.3f}" for x in m.round_iter_s)
+                  for n, m in res.methods.items() if m.ran]
     mem = [(n, m) for n, m in res.methods.items() if m.ran and m.phase_peak_gib]
     if mem:
         lines += ["", "Peak GPU memory allocated within each phase (GiB):", "", "| method | forward | backward | step |",

@@ -1,5 +1,6 @@
 """`dostune bench`: train the same model, batch and seed under each offload method, one after another in
-one process, and measure forward, backward, step and iteration time, peak GPU memory and the loss."""
+one process, and measure forward, backward, step and iteration time, peak GPU memory and the loss. With more
+than one round the methods run again in reverse order (A B, B A, ...) and their samples are pooled."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -44,6 +45,7 @@ class BenchOptions:
     clip: float = 1.0
     iters: int = 8
     warmup: int = 3
+    rounds: int = 1
     seed: int = 0
     methods: Optional[list[str]] = None
     sub_group_size: int = 100_000_000  # DeepSpeed's faster setting on the reference node (1e8 vs its 1e9 default)
@@ -112,7 +114,8 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
         progress.advance()
     peaks = {k: v / 2**30 for k, v in phase_peak.items()} if cuda else None
     return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
-            "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses}
+            "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses,
+            "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}}
 
 
 def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
@@ -168,7 +171,8 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         phase_peak_gib={k: round(v, 3) for k, v in m["phase_peaks"].items()}
                         if m["phase_peaks"] else {},
                         update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
-                        losses=m["losses"], ds_config=cfg, timeline=timeline)
+                        losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
+                        round_iter_s=[m["iter"].median])
 
 
 def gpu_allocated_gib() -> Optional[float]:
@@ -199,21 +203,29 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
 
 def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None) -> BenchResult:
     progress = progress or NullProgress()
+    if opts.rounds < 1:
+        raise DostuneError(f"--rounds must be at least 1, got {opts.rounds}")
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
     opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip)
     methods = opts.resolved_methods()
-    results: dict[str, MethodResult] = {}
+    runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     twin_ratio = None
-    for name in methods:
-        if name == "twin-flow-mem":
-            d, z = results.get("dostune"), results.get("zero-offload")
-            if d and d.ran and z and z.ran and d.peak_gpu_gib is not None:
-                twin_ratio = twin_flow_matching_ratio(spec.num_params or 0, d.peak_gpu_gib, z.peak_gpu_gib)
-        results[name] = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), progress)
-        if name == "twin-flow-mem" and results[name].ran:
-            results[name].description += f" (ratio {twin_ratio})"
+    for r in range(opts.rounds):
+        # Reversed every other round: a machine that drifts over minutes (the lent ones do) then favours no method.
+        for name in (methods if r % 2 == 0 else methods[::-1]):
+            if name == "twin-flow-mem" and twin_ratio is None:
+                d, z = runs.get("dostune"), runs.get("zero-offload")
+                if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
+                    twin_ratio = twin_flow_matching_ratio(spec.num_params or 0, d[0].peak_gpu_gib,
+                                                          z[0].peak_gpu_gib)
+            sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
+            res = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), sink)
+            if name == "twin-flow-mem" and res.ran:
+                res.description += f" (ratio {twin_ratio})"
+            runs[name].append(res)
+    results = {name: pool_rounds(runs[name]) for name in methods}
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return BenchResult(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -221,4 +233,40 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
         dostune_version=__version__, deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
         node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model,
         params=spec.num_params or 0, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
-        clip=opts.clip, warmup=opts.warmup, iters=opts.iters, seed=opts.seed, methods=results)
+        clip=opts.clip, warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed, methods=results)
+
+
+class _RoundProgress:
+    """Progress of one round: the round's number before each description."""
+
+    def __init__(self, inner: ProgressSink, prefix: str):
+        self.inner, self.prefix = inner, prefix
+
+    def start(self, description: str, total: int) -> None:
+        self.inner.start(self.prefix + description, total)
+
+    def advance(self, n: int = 1) -> None:
+        self.inner.advance(n)
+
+
+def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
+    """One method's result over all rounds: medians and spread of every round's timed iterations together, the
+    highest peak memory, the last round's timeline; the first round's losses (every round starts from the same
+    seed). A round that failed makes the method's result that failure."""
+    failed = next((r for r in rounds if not r.ran), None)
+    if failed is not None or len(rounds) == 1:
+        return failed or rounds[0]
+    first = rounds[0]
+    samples = {k: [x for r in rounds for x in r.samples.get(k, [])] for k in ("fwd", "bwd", "step", "iter")}
+    stats = {k: Stat.of(v) for k, v in samples.items()}
+    peaks = [r.peak_gpu_gib for r in rounds if r.peak_gpu_gib is not None]
+    phase_peak = {k: max(r.phase_peak_gib.get(k, 0.0) for r in rounds) for k in first.phase_peak_gib}
+    before = [r.allocated_before_gib for r in rounds if r.allocated_before_gib is not None]
+    rate = first.update_gelem_s * first.step_s / stats["step"].median if first.update_gelem_s else None
+    return first.model_copy(update=dict(
+        iter_s=stats["iter"].median, fwd_s=stats["fwd"].median, bwd_s=stats["bwd"].median,
+        step_s=stats["step"].median, iter=stats["iter"], fwd=stats["fwd"], bwd=stats["bwd"], step=stats["step"],
+        peak_gpu_gib=max(peaks) if peaks else None, phase_peak_gib=phase_peak,
+        allocated_before_gib=max(before) if before else None,
+        update_gelem_s=round(rate, 3) if rate else None, timeline=rounds[-1].timeline, samples=samples,
+        round_iter_s=[x for r in rounds for x in r.round_iter_s]))

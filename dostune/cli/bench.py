@@ -56,6 +56,9 @@ def bench(
                                "recomputed on steps that clip."),
     iters: int = typer.Option(8, min=1, help="Timed iterations per method (medians are reported)."),
     warmup: int = typer.Option(3, min=0, help="Untimed iterations first."),
+    rounds: int = typer.Option(1, min=1, help="Measure every method this many times, in reverse order every other "
+                               "round (A B, B A, ...), each time on a fresh engine; medians pool all rounds. Use 2 "
+                               "or more on a machine whose speed drifts over minutes."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated subset of: " + ", ".join(METHODS)
                                           + ". Default: all on a GPU; zero-offload,dostune on a CPU."),
     config: Optional[Path] = typer.Option(None, help="dostune's schedule and sub_group_size from a tuned "
@@ -80,7 +83,7 @@ def bench(
     """
     sched, sgs = _schedule_from(config, schedule)
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
-                        warmup=warmup, seed=seed, sub_group_size=sub_group_size, schedule=sched,
+                        warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
                         dostune_sub_group_size=dostune_sub_group_size or sgs, node=node,
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
     opts.resolved_methods()  # fail on bad names before any work
