@@ -10,6 +10,7 @@ Backward's forward, step and synchronisation are as in `dostune bench`; during b
 each wrapped DeepSpeed / dostune method (inclusive of what it calls, so nested entries overlap) is added up and
 printed per iteration (median over the timed iterations) with its call count. Backward runs on the autograd thread,
 which these wrappers time as well as the main one."""
+import gc
 import json
 import os
 import statistics
@@ -160,6 +161,7 @@ def run(method: str) -> None:
         print(f"   {name:45s} {ms:8.1f} ms  {n:6.0f} calls  {1e3 * ms / max(n, 1):7.1f} us/call", flush=True)
     engine.destroy()
     del engine
+    gc.collect()  # the d2h probe's wrapper refers to the optimizer that holds it
     torch.cuda.empty_cache()
 
 

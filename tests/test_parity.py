@@ -315,3 +315,26 @@ def test_gil_switch_interval_is_short_only_while_the_cpu_lane_works():
     finally:
         engine.destroy()
     assert sys.getswitchinterval() == before
+
+
+def test_gpu_lane_gradients_skip_the_host_copy_in_bf16():
+    # In bf16 nothing reads the pinned host copy of a GPU-lane subgroup's gradients (only fp16's overflow check
+    # would): backward leaves those slices of DeepSpeed's buffer alone and fills the CPU lane's.
+    from dostune.models.registry import loss_of
+    from parity_helpers import SEQ
+
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap"])
+    opt = engine.optimizer
+    gen = torch.Generator().manual_seed(1)
+    try:
+        buf = opt.grad_partitions_flat_buffer
+        buf.fill_(7.0)
+        engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))))
+        dos = opt._dos
+        assert dos.gpu_set and set(dos.plan.cpu_order)
+        for i, (start, n) in dos.grad_slices.items():
+            untouched = bool((buf.narrow(0, start, n) == 7.0).all())
+            assert untouched == (i in dos.gpu_set), f"subgroup {i}"
+        engine.step()
+    finally:
+        engine.destroy()

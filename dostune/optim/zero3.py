@@ -103,6 +103,7 @@ class _State:
     step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
     early_norm: bool = True  # likewise: off = DeepSpeed's order (release the parameters, then the norm)
     raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
+    gpu_grads_to_host: bool = False  # likewise: on = DeepSpeed's host copy of GPU-lane gradients in bf16/fp32 too
     own_prefetch_event: bool = True  # likewise: off = a prefetched subgroup's update waits for all h2d copies queued
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
@@ -413,6 +414,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if dos is None or not dos.grad_slices or self.micro_step_id != 0 or \
                 not self.is_gradient_accumulation_boundary():
             return super().partition_grads(params_to_release, grad_partitions)
+        # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
+        # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
+        # GPU lane holds the first layers) off the stream backward's end waits for.
+        skip = dos.gpu_set if (dos.schedule.grads_on_gpu and self.dtype != torch.float16
+                               and not dos.gpu_grads_to_host) else frozenset()
         buffers = []
         for param, grad_partition in zip(params_to_release, grad_partitions):
             if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
@@ -423,7 +429,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             grad_buffer = self.grad_partitions_flat_buffer.narrow(0, dos.grad_slices[i][0] + dest_offset,
                                                                   grad_partition.numel())
             buffers.append(grad_buffer)
-            grad_buffer.copy_(grad_partition, non_blocking=True)
+            if i not in skip:
+                grad_buffer.copy_(grad_partition, non_blocking=True)
             self._offload_grad_partition_at_boundary(param, grad_partition, {}, {})
             if not get_accelerator().is_synchronized_device() and param.grad is not None:
                 param.grad.record_stream(get_accelerator().current_stream())
