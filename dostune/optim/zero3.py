@@ -444,10 +444,13 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # double operations, are replayed on the host at the step, so the global norm is bit for bit DeepSpeed's.
         # Python floats replay double operations exactly (MPS-like devices without fp64 keep DeepSpeed's path), and
         # DeepSpeed sums the norms of 250M-element pieces of bigger partitions: both left to its code.
+        # Tensor.norm(2) is torch.functional.norm, Python that ends in torch.linalg.vector_norm(x, 2) for a strided
+        # tensor: called directly here (the same kernel on the same input), without that Python on backward's path.
         if not self._dos.raw_norm or get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
             self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad)
             return
-        self._dos.raw_norms[pid] = grad.reshape(-1).to(get_norm_dtype()).norm(2)
+        flat = grad if grad.dim() == 1 else grad.reshape(-1)
+        self._dos.raw_norms[pid] = torch.linalg.vector_norm(flat.to(torch.float64), 2)
         self.norm_for_param_grads.pop(pid, None)
 
     def _dostune_norm_tensor(self, pid: int):
