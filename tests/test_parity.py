@@ -338,3 +338,69 @@ def test_gpu_lane_gradients_skip_the_host_copy_in_bf16():
         engine.step()
     finally:
         engine.destroy()
+
+
+def _grads_after_backward(schedule, edit=None):
+    """(full grads, local grads, master weights after the step) of the second step; ``edit(engine)`` runs between
+    that step's backward and its step."""
+    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad
+
+    from dostune.models.registry import loss_of
+    from dostune.train.engine import master_weights
+    from parity_helpers import SEQ
+
+    spec, engine = tiny_engine(base_settings(precision="bf16"), schedule)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for k in range(2):
+            engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))))
+            if k == 1:
+                params = list(engine.module.parameters())
+                full = [safe_get_full_grad(p).clone() for p in params]
+                local = [safe_get_local_grad(p).clone() for p in params]
+                if edit is not None:
+                    edit(engine)
+            engine.step()
+        return full, local, master_weights(engine)
+    finally:
+        engine.destroy()
+
+
+def _subgroup_of(engine, p) -> int:
+    opt = engine.optimizer
+    return opt.grad_position[opt.get_param_id(p)][0]
+
+
+def test_deepspeed_gradient_accessors_read_where_dostune_keeps_gradients():
+    # safe_get_full_grad / safe_get_local_grad read DeepSpeed's fp32 gradient buffers, which dostune leaves unfilled
+    # for GPU-lane subgroups and for CPU-lane ones updated during backward: they must still return DeepSpeed's values.
+    ref_full, ref_local, _ = _grads_after_backward(None)
+    for name in ("first-60pct", "overlap"):
+        full, local, _ = _grads_after_backward(SCHEDULES[name])
+        assert all(torch.equal(a, b) for a, b in zip(ref_full, full)), name
+        assert all(torch.equal(a, b) for a, b in zip(ref_local, local)), name
+
+
+def test_setting_a_gradient_reaches_the_gpu_lane_and_is_refused_once_its_update_started():
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    from dostune.errors import ConfigError
+
+    def double_first(engine):  # parameter 0 (the embedding) lies in subgroup 0: on the GPU lane in first-60pct
+        p = next(engine.module.parameters())
+        if hasattr(engine.optimizer, "_dos"):
+            assert _subgroup_of(engine, p) in engine.optimizer._dos.gpu_set
+        safe_set_full_grad(p, safe_get_full_grad(p) * 2)
+
+    _, _, ref = _grads_after_backward(None, double_first)
+    _, _, ours = _grads_after_backward(SCHEDULES["first-60pct"], double_first)
+    _, _, plain = _grads_after_backward(SCHEDULES["first-60pct"])
+    assert torch.equal(ref, ours) and not torch.equal(ours, plain)
+
+    def set_cpu_lane(engine):
+        p = next(p for p in engine.module.parameters()
+                 if _subgroup_of(engine, p) not in engine.optimizer._dos.gpu_set)
+        with pytest.raises(ConfigError, match="overlap_backward"):
+            safe_set_full_grad(p, safe_get_full_grad(p))
+
+    _grads_after_backward(SCHEDULES["overlap"], set_cpu_lane)

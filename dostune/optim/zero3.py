@@ -85,6 +85,10 @@ class _State:
     pins: PinRegistry
     lane_adam: LaneAdam
     device_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Subgroups whose gradients this backward did not write to DeepSpeed's fp32 gradient buffer, and where they are
+    # instead: "device" (device_grads, the GPU lane's) or "half" (DeepSpeed's pinned half-precision copy, the CPU
+    # lane's during backward). DeepSpeed's gradient accessors read them there until the step.
+    grad_home: dict[int, str] = field(default_factory=dict)
     gpu_set: frozenset = frozenset()
     resident_set: frozenset = frozenset()
     last_trace: list[Span] = field(default_factory=list)
@@ -382,11 +386,13 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         cpu_overlap = dos.overlap is not None and i in dos.overlap_seen
         if cpu_overlap and i in dos.grad_slices:
             self._dostune_record_norm(pid, grad_buffer)
+            dos.grad_home[i] = "half"
         elif not dos.schedule.grads_on_gpu or i not in dos.gpu_set:
             super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
                                                         offload_fp32_offsets)
         else:
             self._dostune_record_norm(pid, grad_buffer)
+            dos.grad_home[i] = "device"
             buf = dos.device_grads.get(i)
             if buf is None:
                 buf = torch.zeros(self.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
@@ -814,6 +820,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if self._dos.gpu_bwd is not None:
                 self._dostune_finish_gpu_backward(None, [])
             self._dos.device_grads.clear()
+            self._dos.grad_home.clear()
             self._dos.reset_slots()
             if self._dos.overlap is not None:
                 self._dostune_finish_overlap(None, [])
@@ -907,6 +914,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._unflatten_partitioned_parameters(i)
         q.join()
         dos.device_grads.clear()
+        dos.grad_home.clear()
         dos.reset_slots()  # safe: the lanes' streams are drained and the default stream waits on them
         if sched.trace:
             dos.last_trace = self._dostune_resolve_trace(trace, start_ev, t_host0)
@@ -1066,6 +1074,70 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # DeepSpeed's checkpoint and fp32 accessors read or write the host copies: the resident subgroups' GPU copies are
     # written back before a read, and uploaded again after a write. Each replaces the parent method only by that.
+    # --------------------------------------------------- gradient accessors
+    def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
+        # Replaces DeepSpeed's method (behind safe_get_full_grad / safe_get_local_grad and their setters), which reads
+        # the fp32 gradient buffer of the offloaded subgroup: dostune does not fill it for GPU-lane subgroups
+        # (gradients stay on the device) nor for CPU-lane ones updated during backward (read from the half-precision
+        # copy), so without this those accessors returned stale values. A device gradient is returned as a view (a
+        # setter writes what the GPU lane will use); a half-precision one widened to fp32, the values DeepSpeed's
+        # buffer would hold.
+        dos = getattr(self, "_dos", None)
+        home = None if dos is None else dos.grad_home.get(self.grad_position[self.get_param_id(param)][0])
+        if home is None:
+            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+        if dos.queues.cuda:
+            self.reduce_and_partition_stream.synchronize()
+        i, dest_offset, n = self.grad_position[self.get_param_id(param)]
+        if home == "device":
+            return dos.device_grads[i].narrow(0, dest_offset, n), i
+        return self.grad_partitions_flat_buffer.narrow(0, dos.grad_slices[i][0] + dest_offset, n).float(), i
+
+    def _dostune_check_grad_writable(self, param) -> None:
+        dos = getattr(self, "_dos", None)
+        if dos is None or not param.requires_grad:
+            return
+        i = self.grad_position[self.get_param_id(param)][0]
+        home = dos.grad_home.get(i)
+        speculative_gpu = dos.gpu_bwd is not None and i in dos.gpu_bwd.pids
+        if home == "half" or (home == "device" and speculative_gpu):
+            raise ConfigError(
+                f"dostune: the gradient of subgroup {i} cannot be changed between backward and step: with "
+                f"overlap_backward its update already started during backward. Set \"overlap_backward\": false "
+                f"(and backward_gpu_subgroups 0) in the dostune section to modify gradients before the step.")
+
+    def set_fp32_grad_for_param(self, value, param):
+        # DeepSpeed's method, after refusing a gradient an update started during backward has already read.
+        self._dostune_check_grad_writable(param)
+        return super().set_fp32_grad_for_param(value, param)
+
+    def set_local_grad_for_param(self, value, param):
+        # Likewise.
+        self._dostune_check_grad_writable(param)
+        return super().set_local_grad_for_param(value, param)
+
+    def get_fp32_grad_partitions(self):
+        # DeepSpeed's method reads the fp32 gradient buffers directly: the subgroups dostune keeps elsewhere are
+        # read where they are (see _get_fp32_grad_state_partition).
+        grads = super().get_fp32_grad_partitions()
+        dos = getattr(self, "_dos", None)
+        if dos is not None and dos.grad_home:
+            for i, group in enumerate(self.fp16_groups):
+                if i in dos.grad_home:
+                    for j, p in enumerate(group):
+                        grads[i][j] = self._get_fp32_grad_state_partition(p, False)[0]
+        return grads
+
+    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
+        # DeepSpeed's method rewrites the fp32 gradient buffers directly, which dostune does not read for the
+        # subgroups it keeps elsewhere: refused for those rather than silently ignored.
+        dos = getattr(self, "_dos", None)
+        if dos is not None and any(p.requires_grad and self.grad_position[self.get_param_id(p)][0] in dos.grad_home
+                                   for p in param_list):
+            raise ConfigError("dostune: update_fp32_grad_for_param_vectorized is not supported for subgroups on the "
+                              "GPU lane or updated during backward; use safe_set_full_grad / safe_set_local_grad")
+        return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
     def state_dict(self):
         self.dostune_sync_host()
         return super().state_dict()
