@@ -6,10 +6,10 @@ private attributes as in device-profile-backward.py (e.g. 'CONFIG+{"overlap.spec
 what slows backward under offload: no-offload+burn keeps every CPU core busy with streaming arithmetic for ~0.3 s
 after each step (as CPU Adam does), no-offload+d2h also copies every gradient partition to pinned host memory in
 backward (as the offload path does). Each run also prints the CPU time the hypervisor stole during backward.
-Backward's forward, step and synchronisation are as in `dostune bench`; during backward the host time spent inside
-each wrapped DeepSpeed / dostune method (inclusive of what it calls, so nested entries overlap) is added up and
-printed per iteration (median over the timed iterations) with its call count. Backward runs on the autograd thread,
-which these wrappers time as well as the main one."""
+Forward, step and the synchronisation between phases are as in `dostune bench`; during backward the host time
+spent inside each wrapped DeepSpeed / dostune method (inclusive of what it calls, so nested entries overlap) is
+added up and printed per iteration (median over the timed iterations) with its call count. Backward runs on the
+autograd thread, which these wrappers time as well as the main one."""
 import gc
 import json
 import os

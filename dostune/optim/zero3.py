@@ -1072,8 +1072,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.resident_fresh.discard(i)
             dos.host_stale.discard(i)
 
-    # DeepSpeed's checkpoint and fp32 accessors read or write the host copies: the resident subgroups' GPU copies are
-    # written back before a read, and uploaded again after a write. Each replaces the parent method only by that.
     # --------------------------------------------------- gradient accessors
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         # Replaces DeepSpeed's method (behind safe_get_full_grad / safe_get_local_grad and their setters), which reads
@@ -1083,12 +1081,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # setter writes what the GPU lane will use); a half-precision one widened to fp32, the values DeepSpeed's
         # buffer would hold.
         dos = getattr(self, "_dos", None)
-        home = None if dos is None else dos.grad_home.get(self.grad_position[self.get_param_id(param)][0])
+        i, dest_offset, n = self.grad_position[self.get_param_id(param)]
+        home = None if dos is None else dos.grad_home.get(i)
         if home is None:
             return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
         if dos.queues.cuda:
             self.reduce_and_partition_stream.synchronize()
-        i, dest_offset, n = self.grad_position[self.get_param_id(param)]
         if home == "device":
             return dos.device_grads[i].narrow(0, dest_offset, n), i
         return self.grad_partitions_flat_buffer.narrow(0, dos.grad_slices[i][0] + dest_offset, n).float(), i
@@ -1138,6 +1136,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                               "GPU lane or updated during backward; use safe_set_full_grad / safe_set_local_grad")
         return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
 
+    # DeepSpeed's checkpoint and fp32 accessors read or write the host copies: the resident subgroups' GPU copies are
+    # written back before a read, and uploaded again after a write. Each replaces the parent method only by that.
     def state_dict(self):
         self.dostune_sync_host()
         return super().state_dict()
