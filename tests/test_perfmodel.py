@@ -4,9 +4,8 @@ import pytest
 
 from dostune.optim.schedule import ScheduleConfig
 from dostune.perfmodel.inputs import Cost, NodeInputs
-from dostune.perfmodel.model import (BACKWARD_CPU_SLOWDOWN, BACKWARD_STRETCH, _advance, best_gpu_fraction,
-                                     ds_offload_step_lanes, grad_ready_fractions, predict, predict_memory,
-                                     simulate_step)
+from dostune.perfmodel.model import (BACKWARD_CPU_SLOWDOWN, _advance, best_gpu_fraction, ds_offload_step_lanes,
+                                     grad_ready_fractions, predict_memory, simulate_step)
 from dostune.perfmodel.inputs import ModelInputs
 from dostune.perfmodel.subgroups import subgroup_sizes
 
@@ -88,22 +87,6 @@ def test_overlap_backward_by_hand():
     # without readiness (no model profile) the CPU lane runs in the step as before
     assert simulate_step(sizes, sched, n).lanes_s == simulate_step(sizes, ScheduleConfig(gpu_fraction=0.0,
                                                                                          cpu_threads=16), n).lanes_s
-
-
-def test_cpu_lane_work_under_backward_stretches_backward_by_hand():
-    n = node()
-    sizes = [1_000_000_000, 1_000_000_000]
-    m = ModelInputs(model="x", params=sum(sizes), fwd_s=0.5, bwd_s=2.0)
-    sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
-    cpu = (1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9) * BACKWARD_CPU_SLOWDOWN
-    # subgroup 1 final 10% into backward, subgroup 0 at 90%: 0.2 s of its update is left when backward ends
-    p = predict(sizes, 10**9, sched, n, m, 0.0, grad_ready=[0.9, 0.1])
-    assert p.step.cpu_bwd_busy_s == pytest.approx(cpu + 0.2)
-    assert p.bwd_s == pytest.approx(2.0 + BACKWARD_STRETCH * (cpu + 0.2))
-    assert p.iter_s == pytest.approx(0.5 + p.bwd_s + p.step_s)
-    # the CPU lane left to the step does not touch backward
-    plain = predict(sizes, 10**9, ScheduleConfig(gpu_fraction=0.0, cpu_threads=16), n, m, 0.0, grad_ready=[0.9, 0.1])
-    assert plain.step.cpu_bwd_busy_s == 0.0 and plain.bwd_s == 2.0
 
 
 def test_gpu_lane_during_backward_by_hand():

@@ -25,12 +25,6 @@ GRAD_BYTES = 4
 # With streaming stores in the kernel and 25M-element subgroups (results/h100/nt-gpt2-1.3b, ring-clip0 of the same
 # session on another machine): 0.80 and 1.00; kept at 1.0, the machines differ more than that.
 BACKWARD_CPU_SLOWDOWN = 1.0
-# overlap_backward, the other way round: backward itself runs longer while the CPU lane works beside it (backward is
-# host-bound; the same ZeRO-3 hook code ran 40-60% slower per call, results/h100/backward-interference-gpt2-1.3b),
-# by this share of the CPU-lane seconds it hides. Fitted to A/Bs on alternate iterations of one engine there (gpt2-1.3b,
-# 25M-element subgroups, 7.7 ms each as modelled at 16 threads): leaving 14 of 26 CPU-lane subgroups to the step
-# shortened backward by 27 ms (0.25 of their 108 ms), leaving 20 by 61 ms (0.40 of 154 ms).
-BACKWARD_STRETCH = 0.3
 # The share of DeepSpeed's step overhead that comes before the lanes can compute (releasing the parameters, the
 # gradient norm): 86 of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (scripts/device-trace.py). The
 # GPU lane's first staging slots stream in meanwhile (the step prefetch).
@@ -56,7 +50,6 @@ class StepPrediction:
     overhead_s: float  # DeepSpeed's step prologue and epilogue (fitted, see ds_step_overhead)
     spans: list[SimSpan] = field(default_factory=list)
     cpu_busy_s: float = 0.0
-    cpu_bwd_busy_s: float = 0.0  # CPU-lane time hidden under backward (overlap_backward)
     h2d_busy_s: float = 0.0
     d2h_busy_s: float = 0.0
 
@@ -258,10 +251,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         return sum(b - a for a, b in _union([(max(0.0, x.start), x.end) for x in spans
                                              if x.lane in names and x.end > 0]))
 
-    hidden = sum(min(0.0, x.end) - x.start for x in cpu_spans if x.start < 0)
     return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
-                          cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}),
-                          cpu_bwd_busy_s=hidden)
+                          cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
 
 
 def ds_offload_step_lanes(sizes: Sequence[int], inp: NodeInputs, threads: Optional[int] = None) -> float:
@@ -480,10 +471,8 @@ def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, no
             grad_ready: Optional[Sequence[float]] = None) -> Prediction:
     step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready,
                          slots_free_at=slots_free_fraction(sizes, sched, m) if sched.backward_gpu_subgroups else 0.0)
-    # The window the CPU lane hides under is the profiled backward; its own stretch of that window is left out.
-    bwd = None if m.bwd_s is None else m.bwd_s + BACKWARD_STRETCH * step.cpu_bwd_busy_s
     return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
-                      memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=bwd)
+                      memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
 
 def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "first") -> int:
