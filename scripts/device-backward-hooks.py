@@ -1,16 +1,16 @@
 """On the GPU machine: where backward's host time goes, per ZeRO-3 hook, for gpt2-1.3b (bf16, micro-batch 8,
 seq 1024, no clipping) under several methods in one process.
     python3 scripts/device-backward-hooks.py METHOD [METHOD ...]
-METHOD is no-offload, zero-offload, or a dostune ds_config path, optionally followed by "+" and JSON setting
-private attributes as in device-profile-backward.py (e.g. 'CONFIG+{"overlap.speculate": false}'); a key that starts
-with "@" sets an attribute of the ZeRO-3 optimizer itself (e.g. 'no-offload+{"@max_param_reduce_events": 8}'), one
-that starts with "%" a key of the config's dostune section before the engine is built (e.g.
-'CONFIG+{"%overlap_backward": false}'). Two probes of
-what slows backward under offload: no-offload+burn keeps every CPU core busy with streaming arithmetic for ~0.3 s
-after each step (as CPU Adam does), no-offload+d2h also copies every gradient partition to pinned host memory in
-backward (as the offload path does), no-offload+burnbwdN keeps N cores (default: all but one) busy that way during
-backward (as the CPU lane does under overlap_backward). The CUDA caching allocator's counters (device allocations and frees,
-retries) are printed per backward. Each run also prints the CPU time the hypervisor stole during backward.
+METHOD is no-offload, zero-offload, or a dostune ds_config path, optionally followed by "+" and JSON setting private
+attributes as in device-profile-backward.py (e.g. 'CONFIG+{"overlap.speculate": false}'); a key that starts with "@"
+sets an attribute of the ZeRO-3 optimizer itself (e.g. 'no-offload+{"@max_param_reduce_events": 8}'), one that
+starts with "%" a key of the config's dostune section before the engine is built
+(e.g. 'CONFIG+{"%overlap_backward": false}'). Probes of what slows backward under offload: no-offload+burn keeps every CPU core busy with streaming
+arithmetic for ~0.3 s after each step (as CPU Adam does), no-offload+d2h also copies every gradient partition to
+pinned host memory in backward (as the offload path does), no-offload+burnbwdN keeps N cores (default: all but one)
+busy that way during backward (as the CPU lane does under overlap_backward). Each run also prints the CPU time the
+hypervisor stole during backward and the CUDA caching allocator's counters (device allocations and frees, retries)
+per backward; the host's waits (Event/Stream.synchronize) are timed by thread.
 Forward, step and the synchronisation between phases are as in `dostune bench`; during backward the host time
 spent inside each wrapped DeepSpeed / dostune method (inclusive of what it calls, so nested entries overlap) is
 added up and printed per iteration (median over the timed iterations) with its call count. Backward runs on the
