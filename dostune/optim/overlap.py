@@ -138,10 +138,10 @@ class BackwardOverlap:
         self._error: Optional[BaseException] = None
         self._spans: list = []
         self._done = threading.Event()
+        # (factor, commit) once the step has begun, set before anything is queued for it: the worker reads it to run
+        # every update from then on with the step's thread count, also those of subgroups handed over during
+        # backward that it had not reached yet.
         self._submitted: Optional[tuple] = None
-        # Set when the step begins (read by the worker): updates from then on use the step's thread count, also
-        # those of subgroups handed over during backward that the worker had not reached yet.
-        self._in_step = False
 
     @property
     def active(self) -> bool:
@@ -172,7 +172,7 @@ class BackwardOverlap:
     def submit(self, inv: Optional[float], commit: bool) -> None:
         """At the step, hand the worker the real factor (``inv`` None: the step is skipped, invalid norm) and
         return at once: what is left of the CPU lane runs while the host goes on with the step."""
-        self._in_step = True
+        self._submitted = (inv, commit)
         self._ensure_thread()
         missing = [] if inv is None else [i for i in self.subgroups if i not in self._queued]
         if missing:
@@ -181,7 +181,6 @@ class BackwardOverlap:
             self._queued.add(i)
             self._tasks.put(("ready", i, None, None))
         self._tasks.put(("final", inv, commit))
-        self._submitted = (inv, commit)
         self._lane_busy(True)
 
     def finish(self, inv: Optional[float], commit: bool) -> StepOutcome:
@@ -244,7 +243,8 @@ class BackwardOverlap:
                     if event is not None:
                         event.synchronize()  # the subgroup's gradient copies (and its partial norm) are done
                     if self._may_speculate(partial_sq):
-                        self._update(i, self.spec_inv, self.threads_step if self._in_step else self.threads_backward)
+                        self._update(i, self.spec_inv,
+                                     self.threads_backward if self._submitted is None else self.threads_step)
                         self._speculative.add(i)
                     else:
                         deferred.append(i)
