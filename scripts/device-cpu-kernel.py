@@ -1,7 +1,8 @@
 """On the GPU machine: dostune's out-of-place CPU Adam (the CPU lane during backward) with ordinary and with streaming
 (non-temporal) stores, alone and while the main thread runs a Python loop of small CUDA launches like backward's
 hooks, to see how much each slows the other.
-    python3 scripts/device-cpu-kernel.py [ELEMENTS] [THREADS ...]"""
+    python3 scripts/device-cpu-kernel.py [ELEMENTS] [THREADS ...]
+MARCH=haswell builds the kernel with -march=haswell (no 512-bit instructions) instead of -march=native."""
 import os
 import sys
 import threading
@@ -38,6 +39,9 @@ def lane(ins, outs, sc, threads: int, nt: bool, result: list) -> None:
 def main() -> None:
     n = int(float(sys.argv[1])) if len(sys.argv) > 1 else 25_000_000
     thread_counts = [int(t) for t in sys.argv[2:]] or [15]
+    if os.environ.get("MARCH"):
+        cpu_kernel._FLAGS = [f if f != "-march=native" else f"-march={os.environ['MARCH']}" for f in cpu_kernel._FLAGS]
+        print(f"kernel built with {cpu_kernel._FLAGS}", flush=True)
     s = AdamScalarShadow(0.9, 0.95)
     s.increment(1, 0.9, 0.95)
     sc = s.scalars(1e-4, 1e-8, 0.01, True, True)

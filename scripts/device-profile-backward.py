@@ -5,8 +5,9 @@ PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_sub
 "_" sets that attribute of the optimizer's private state instead, e.g. '{"_step_prefetch": false}', or of one of its
 members, e.g. '{"_overlap.nontemporal": true}'); the config runs as is first. ALT='{"_early_norm": false}' applies
 private settings on every other iteration of each engine and reports both halves (an A/B without the drift between
-engines built one after another). With PROFILE=1 the first run's last iteration is recorded with torch.profiler and
-its top host-side CUDA calls and GPU operations are printed. Each run also reports the time Python's garbage collector
+engines built one after another); its key "!march" instead swaps in the CPU lane's kernel built with -march=VALUE
+(e.g. haswell: no 512-bit instructions) for -march=native. With PROFILE=1 the first run's last iteration is
+recorded with torch.profiler and its top host-side CUDA calls and GPU operations are printed. Each run also reports the time Python's garbage collector
 took per phase (median ms per iteration); GCFREEZE=1 calls gc.freeze() once the engine is built, so the collector
 no longer walks the objects that exist by then."""
 import gc
@@ -57,6 +58,23 @@ def set_private(engine, key: str, value, read: bool = False):
     setattr(obj, name, value)
 
 
+def kernel_for(march: str):
+    """The CPU lane's kernel library built with -march=``march`` (the production build is -march=native)."""
+    from dostune.optim import cpu_kernel
+    saved, saved_lib = cpu_kernel._FLAGS, cpu_kernel._lib
+    try:
+        cpu_kernel._FLAGS = [f if f != "-march=native" else f"-march={march}" for f in saved]
+        cpu_kernel._lib = None
+        return cpu_kernel.load()
+    finally:
+        cpu_kernel._FLAGS, cpu_kernel._lib = saved, saved_lib
+
+
+def use_kernel(lib) -> None:
+    from dostune.optim import cpu_kernel
+    cpu_kernel._lib = lib  # the worker calls load(), which returns this one
+
+
 def run(cfg: dict, profile: bool, label: str) -> None:
     spec = resolve_model("gpt2-1.3b")
     # Keys starting with "_" set attributes of the optimizer's private state (A/B toggles such as _step_prefetch).
@@ -71,11 +89,18 @@ def run(cfg: dict, profile: bool, label: str) -> None:
     gcs, alt_gcs = [], []
     # ALT: private settings applied on every other iteration of the same engine, the cleanest A/B on a noisy machine
     alt = {k.lstrip("_"): v for k, v in json.loads(os.environ.get("ALT", "{}")).items()}
+    libs, march = None, alt.pop("!march", None)
+    if march is not None:
+        from dostune.optim import cpu_kernel
+        libs = [cpu_kernel.load(), kernel_for(march)]
     alt_default = {k: set_private(engine, k, None, read=True) for k in alt}
+    alternate = bool(alt) or libs is not None
     gen = torch.Generator().manual_seed(1)
     times, alt_times = [], []
     prof = None
-    for k in range(WARMUP + 2 * ITERS if alt else WARMUP + ITERS):
+    for k in range(WARMUP + 2 * ITERS if alternate else WARMUP + ITERS):
+        if libs is not None:
+            use_kernel(libs[k % 2])
         for key in alt:
             set_private(engine, key, alt[key] if k % 2 else alt_default[key])
         batch = spec.batch(8, 1024, gen, engine.device)
@@ -100,12 +125,15 @@ def run(cfg: dict, profile: bool, label: str) -> None:
         t3 = time.perf_counter()
         clock.phase = None
         if k >= WARMUP:
-            (alt_times if alt and k % 2 else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
-            (alt_gcs if alt and k % 2 else gcs).append(clock.take())
+            (alt_times if alternate and k % 2 else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+            (alt_gcs if alternate and k % 2 else gcs).append(clock.take())
     clock.close()
+    if libs is not None:
+        use_kernel(libs[0])
     if prof is not None:
         prof.__exit__(None, None, None)
-    for name, ts, gs in ((label, times, gcs), (f"{label}, alternate iterations with {alt}", alt_times, alt_gcs)):
+    alt_label = f"{alt}" + (f", CPU-lane kernel built with -march={march}" if march is not None else "")
+    for name, ts, gs in ((label, times, gcs), (f"{label}, alternate iterations with {alt_label}", alt_times, alt_gcs)):
         if ts:
             med = [statistics.median(t[j] for t in ts) for j in range(4)]
             gc_ms = " ".join(f"{ph} {1e3 * statistics.median(g.get(ph, 0.0) for g in gs):.1f}"
