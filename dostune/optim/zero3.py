@@ -109,6 +109,7 @@ class _State:
     raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
     gpu_grads_to_host: bool = False  # likewise: on = DeepSpeed's host copy of GPU-lane gradients in bf16/fp32 too
     own_prefetch_event: bool = True  # likewise: off = a prefetched subgroup's update waits for all h2d copies queued
+    always_partial_norm: bool = False  # likewise: on = the running norm also where it cannot stop speculation
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
@@ -403,7 +404,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             gb = dos.gpu_bwd
             if gb is not None and gb.grad_final(i, pid):
                 gb.ready[i] = dos.queues.record_current()  # after the copy above, on the stream that made it
-                self._dostune_add_partial_norm(gb.pids[i])  # a lower bound for the cutoff of both lanes
+                if self._dostune_partial_norm_useful():
+                    self._dostune_add_partial_norm(gb.pids[i])  # a lower bound for the cutoff of both lanes
         if cpu_overlap:
             self._dostune_grad_final(i, pid)
         if dos.gpu_bwd is not None:
@@ -556,8 +558,20 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if not ov.active:
             spec = ov.spec_factor(float(self.loss_scale))
             ov.open(spec, float(self.loss_scale), float(self.clip_grad))
-        host, event = self._dostune_add_partial_norm(dos.overlap_pids[i])
+        if self._dostune_partial_norm_useful():
+            host, event = self._dostune_add_partial_norm(dos.overlap_pids[i])
+        else:
+            # the event the worker waits on before reading the gradient copies (on a CPU device none is needed)
+            host, event = None, (dos.queues.record_current() if dos.queues.cuda else None)
         ov.ready(i, event, host)
+
+    def _dostune_partial_norm_useful(self) -> bool:
+        # The running norm only lets the lanes stop speculating early, once it makes clipping certain or is
+        # inf/nan (an overflow: the step is skipped). Without clipping, that leaves overflows, which dynamic fp16
+        # loss scaling produces on purpose but bf16/fp32 gradients almost never do; there its upkeep (a stack, a
+        # reduction, a pinned copy per subgroup: ~0.2 ms each on the host thread that paces backward, measured
+        # on the H100) buys nothing, and a rare overflow still skips the step exactly, only after speculating.
+        return self._dos.always_partial_norm or float(self.clip_grad) > 0 or self.dtype == torch.float16
 
     def _dostune_add_partial_norm(self, pids: frozenset) -> tuple:
         """Add a finalised subgroup's squared gradient norms (as DeepSpeed records them for its global norm) to
