@@ -415,3 +415,41 @@ def test_setting_a_gradient_reaches_the_gpu_lane_and_is_refused_once_its_update_
             safe_set_full_grad(p, safe_get_full_grad(p))
 
     _grads_after_backward(SCHEDULES["overlap"], set_cpu_lane)
+
+
+class ScriptedSwing:
+    """Stands in for adaptive_swing's LaneBalance (whose lane times need CUDA): the swing for each next step from
+    a fixed cycle, and the CPU lane each step ran with."""
+
+    def __init__(self, opt, cycle):
+        self.opt, self.cycle, self.k, self.cpu_lanes = opt, cycle, 0, []
+
+    def observe(self, times):
+        assert times is None  # no CUDA: nothing measured
+        self.cpu_lanes.append(tuple(self.opt._dos.plan.cpu_order))
+        self.k += 1
+        return self.cycle[self.k % len(self.cycle)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap,grad_accum", [(True, 1), (False, 2)])
+def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_accum):
+    """adaptive_swing re-plans between steps; whichever lane updates a subgroup, the values are DeepSpeed's."""
+    train = base_settings(precision="bf16", grad_accum=grad_accum)
+    sched = ScheduleConfig(gpu_fraction=0.8, gpu_placement="first", overlap_backward=overlap, resident_subgroups=1,
+                           staging_buffers=2, adaptive_swing=3)  # GPU lane 0-3, 0 resident; 3, 2, 1 may move
+    scripted = []
+
+    def adjust(opt):
+        if overlap:
+            no_partial_norm_cutoff(opt)
+        scripted.append(ScriptedSwing(opt, [0, 1, 3, 2, 0, 3, 1]))
+        opt._dos.balance = scripted[0]
+
+    ours = run(train, sched, steps=20, adjust=adjust)
+    check(ours, reference(train, steps=20))
+    lanes = scripted[0].cpu_lanes
+    assert len(lanes) == 20 and set(lanes) == {(4,), (3, 4), (2, 3, 4), (1, 2, 3, 4)}
+    assert scripted[0].opt.dostune_swing_stats["steps_by_swing"] == {0: 6, 1: 5, 2: 3, 3: 6}
+    if overlap:  # the moved subgroups were updated during backward too, and committed
+        assert ours["overlap"]["committed"] == sum(len(c) for c in lanes)

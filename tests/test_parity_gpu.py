@@ -62,3 +62,23 @@ def test_gpu_lane_during_backward_gpu(schedule, clip):
     st = ours["overlap"]
     assert st["gpu_speculative"] == 30 * gpu_bwd
     assert st["gpu_committed"] == (30 * gpu_bwd if clip == 0.0 else 0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_adaptive_swing_gpu(overlap):
+    """adaptive_swing with its real decision: lane ends measured with CUDA events every step. The swings it
+    chooses on this tiny model are whatever its timings say; the values must be DeepSpeed's regardless, and
+    the measurement must have fed every step after the first (whose CPU-lane cost may be unknown)."""
+    train = base_settings(precision="bf16", clip=0.0)
+    sched = ScheduleConfig(gpu_fraction=0.8, gpu_placement="first", overlap_backward=overlap, staging_buffers=2,
+                           adaptive_swing=3)
+    seen = []
+
+    def adjust(opt):
+        observe = opt._dos.balance.observe
+        opt._dos.balance.observe = lambda times: seen.append(times) or observe(times)
+
+    ours = run(train, sched, steps=30, pin_memory=True, adjust=adjust)
+    check(ours, reference(train, steps=30))
+    assert len(seen) == 30 and all(t is not None for t in seen[1:])
+    assert all(t.gpu_end > 0 and t.cpu_sub > 0 and t.gpu_sub > 0 for t in seen[1:])

@@ -162,6 +162,10 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
             if st["steps"]:
                 description += (f"; overlap_backward: {st['speculative']} of {st['committed']} CPU-lane updates "
                                 f"started during backward, {st['redone']} of them recomputed (clipping)")
+            sw = engine.optimizer.dostune_swing_stats
+            if sw["steps_by_swing"]:
+                description += (f"; adaptive_swing: steps by GPU-lane subgroups moved to the CPU lane "
+                                f"{sw['steps_by_swing']}, {sw['swing']} at the end")
     finally:
         engine.destroy()
     return MethodResult(method=name, description=description, iter_s=m["iter"].median, fwd_s=m["fwd"].median,

@@ -67,6 +67,13 @@ class ScheduleConfig(BaseModel):
         "steps: their update streams nothing over PCIe. Costs 12 bytes of GPU memory per parameter of those "
         "subgroups for the whole run (dostune tune spends the peak-memory allowance --max-peak-increase on it); "
         "the host copies are brought up to date when a checkpoint is saved. Needs grads_on_gpu"))
+    adaptive_swing: int = Field(0, ge=0, description=(
+        "let the CPU lane take up to this many of the GPU lane's streamed subgroups (the highest indices, whose "
+        "gradients are final first) while the measured lane times predict that the step then ends sooner, and "
+        "give them back when the CPU lane ends last; decided between steps from the last 3 steps. Each subgroup "
+        "updates to the same values in either lane. Costs 12 bytes of host memory per parameter of those "
+        "subgroups with overlap_backward. Needs a CUDA device to measure (elsewhere the split stays as tuned); "
+        "0 (off) by default, and not searched by dostune tune"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
@@ -78,6 +85,8 @@ class ScheduleConfig(BaseModel):
                 raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
             if self.backward_gpu_subgroups:
                 raise ValueError("resident_subgroups and backward_gpu_subgroups cannot be combined")
+        if self.adaptive_swing and self.backward_gpu_subgroups:
+            raise ValueError("adaptive_swing and backward_gpu_subgroups cannot be combined")
         if self.backward_gpu_subgroups:
             if not self.overlap_backward:
                 raise ValueError("backward_gpu_subgroups needs overlap_backward true")
@@ -165,8 +174,21 @@ def backward_gpu_order(plan: Plan, sched: ScheduleConfig) -> list[int]:
     return sorted(plan.gpu_subgroups, reverse=True)[:sched.backward_gpu_subgroups]
 
 
-def make_plan(num_subgroups: int, sched: ScheduleConfig) -> Plan:
+def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
+    """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does: the streamed ones
+    (resident subgroups keep their states on the GPU), highest index first."""
+    if not sched.adaptive_swing:
+        return []
+    return sorted((s.subgroup for s in make_plan(num_subgroups, sched).gpu_slots), reverse=True)[:sched.adaptive_swing]
+
+
+def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0) -> Plan:
+    """The lanes, CPU-lane order and GPU-lane staging chain; ``swing`` of the GPU lane's streamed subgroups
+    (see swing_candidates) go to the CPU lane instead."""
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
+    if swing:
+        for i in swing_candidates(num_subgroups, sched)[:swing]:
+            lanes[i] = CPU
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     if sched.resident_subgroups > len(gpu):
         raise ConfigError(f"resident_subgroups is {sched.resident_subgroups} but the GPU lane has only {len(gpu)} "

@@ -58,10 +58,11 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOpt
 from ..errors import ConfigError
 from .kernels import AdamScalars, LaneAdam
 from .backward_gpu import GpuBackward, Staged
+from .balance import LaneBalance, LaneTimes, lane_times
 from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping_certain, pinned_shadows
 from .pinned import PinRegistry
 from .queues import Queues
-from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan
+from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan, swing_candidates
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,12 @@ class _State:
     # layout there is the subgroup's own (checked at start-up): the CPU lane during backward reads them from there.
     grad_slices: dict[int, tuple[int, int]] = field(default_factory=dict)
     overlap_stats: dict = field(default_factory=lambda: {"steps": 0, "speculative": 0, "redone": 0, "committed": 0})
+    # adaptive_swing: the decision between steps, how many streamed GPU-lane subgroups the CPU lane has now, and
+    # the last cost of one subgroup seen in each lane's step (what one more costs a lane that ran none this step).
+    balance: Optional[LaneBalance] = None
+    swing: int = 0
+    sub_cost_s: dict = field(default_factory=dict)
+    swing_steps: dict = field(default_factory=dict)  # swing -> steps run with it
 
     def reset_slots(self) -> None:
         self.slots.clear()
@@ -211,7 +218,7 @@ def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConf
         return
     numel = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
     plan = make_plan(len(numel), schedule)
-    cpu = plan.cpu_order
+    cpu = plan.cpu_order + swing_candidates(len(numel), schedule)
     gpu_bwd = backward_gpu_order(plan, schedule)
     need = 12 * sum(numel[i] for i in cpu + gpu_bwd) + 4 * max((numel[i] for i in cpu), default=0)
     if need > 0.9 * available:
@@ -261,7 +268,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for i in range(len(self.fp16_groups)):
             self._dostune_adopt_subgroup_state(i)
         self._dos.grad_slices = self._dostune_grad_slices()
-        if schedule.overlap_backward and plan.cpu_order:
+        swing = swing_candidates(len(self.fp16_groups), schedule)
+        if swing:
+            self._dos.balance = LaneBalance(len(swing))
+        if schedule.overlap_backward and (plan.cpu_order or swing):
             self._dostune_init_overlap(lane_device)
         order = backward_gpu_order(plan, schedule)
         if order:
@@ -299,16 +309,16 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _dostune_init_overlap(self, lane_device: torch.device) -> None:
         dos = self._dos
-        for i in dos.plan.cpu_order:
+        for i in dos.plan.cpu_order + swing_candidates(len(self.fp16_groups), dos.schedule):
             dos.overlap_pids[i] = self._dostune_param_ids(i)
-            dos.overlap_seen[i] = set()
+        for i in dos.plan.cpu_order:
+            dos.overlap_seen[i] = set()  # its keys: the CPU lane's subgroups this step
         threads = dos.schedule.cpu_threads or torch.get_num_threads()
         bwd_threads = dos.schedule.backward_cpu_threads or max(1, threads - 1)
-        cpu_set = frozenset(dos.plan.cpu_order)
 
         def scalars():
             self._dostune_sync_beta_powers()
-            return self._dostune_step_scalars(cpu_set)
+            return self._dostune_step_scalars(frozenset(dos.plan.cpu_order))
 
         dos.overlap = BackwardOverlap(dos.plan.cpu_order, self._dostune_subgroup_io, scalars, lane_device,
                                       dos.pins.pin, bwd_threads, threads)
@@ -366,6 +376,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._dos.gpu_bwd is not None:
             out.update({f"gpu_{k}": v for k, v in self._dos.gpu_bwd.stats.items()})
         return out
+
+    @property
+    def dostune_swing_stats(self) -> dict:
+        """adaptive_swing: how many steps ran with each number of the GPU lane's streamed subgroups moved to the
+        CPU lane, and the number the next step uses."""
+        return {"steps_by_swing": dict(sorted(self._dos.swing_steps.items())), "swing": self._dos.swing}
 
     # ------------------------------------------------------ gradient routing
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
@@ -903,6 +919,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         q.after_current()
         for i in range(len(self.fp16_groups)):  # keep host state pinned after a checkpoint load replaced it
             self._dostune_check_pinned(i)
+        # adaptive_swing's clock: the gradient norm has just been copied to the host, so the GPU has caught up and
+        # this event runs at about this host time; the lanes' ends are measured from it
+        origin = None
+        if dos.balance is not None and q.cuda:
+            origin = (torch.cuda.Event(enable_timing=True), time.perf_counter())
+            origin[0].record()
 
         if dos.overlap is not None:
             dos.overlap.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
@@ -910,6 +932,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         inv32 = float(np.float32(inv_f))  # what the speculative updates' factor is compared with
         done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(inv32, trace)
         self._dostune_queue_gpu_lane(inv_f, trace, [i for i in plan.gpu_subgroups if i not in done], scalars)
+        gpu_ends = [q.record(lane, timing=True) for lane in ("compute", "d2h")] if origin is not None else []
         if dos.overlap is not None:
             dos.overlap.submit(inv32, self._dostune_may_commit(inv32))
         if host_work is not None:
@@ -932,6 +955,34 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         dos.reset_slots()  # safe: the lanes' streams are drained and the default stream waits on them
         if sched.trace:
             dos.last_trace = self._dostune_resolve_trace(trace, start_ev, t_host0)
+        if dos.balance is not None:
+            dos.swing_steps[dos.swing] = dos.swing_steps.get(dos.swing, 0) + 1
+            swing = dos.balance.observe(self._dostune_lane_times(trace, origin, gpu_ends, len(plan.gpu_slots)))
+            if swing != dos.swing:
+                self._dostune_set_swing(swing)
+
+    def _dostune_lane_times(self, trace: list, origin, gpu_ends: list, streamed: int) -> Optional[LaneTimes]:
+        """This step's lane ends for adaptive_swing (None where they cannot be measured: no CUDA, or no cost of
+        one more subgroup known yet for a lane)."""
+        if origin is None:
+            return None
+        ev0, t0 = origin
+        for e in gpu_ends:
+            e.synchronize()  # join() waits for the copies back on the host, the compute lane only on the GPU
+        gpu_end = max(ev0.elapsed_time(e) for e in gpu_ends) / 1e3
+        spans = [(a - t0, b - t0) for lane, _, a, b in trace if lane == "cpu"]
+        return lane_times(spans, gpu_end, streamed, self._dos.sub_cost_s)
+
+    def _dostune_set_swing(self, swing: int) -> None:
+        """Re-plan with ``swing`` streamed GPU-lane subgroups on the CPU lane, between steps: where the next
+        backward sends gradients (kept on the GPU or copied to the host) follows the new lanes."""
+        dos = self._dos
+        dos.swing = swing
+        dos.plan = make_plan(len(self.fp16_groups), dos.schedule, swing=swing)
+        dos.gpu_set = frozenset(dos.plan.gpu_subgroups)
+        if dos.overlap is not None:
+            dos.overlap_seen = {i: set() for i in dos.plan.cpu_order}
+            dos.overlap.subgroups = list(dos.plan.cpu_order)
 
     def _dostune_check_pinned(self, i: int) -> None:
         fp32 = self.fp32_partitioned_groups_flat[i]
