@@ -17,7 +17,7 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class LaneTimes:
-    """One step's lanes, in seconds from the moment the step queued its GPU lane (negative: during backward)."""
+    """One step's lanes, in seconds from the moment the step starts its lanes (negative: during backward)."""
 
     cpu_end: float  # the CPU lane's last update ended (during backward if all of its work ran there)
     gpu_end: float  # the GPU lane's last copy or kernel ended
@@ -31,10 +31,11 @@ class LaneBalance:
     Decides on the medians of ``window`` steps measured since the last move, so that one noisy step does not
     move the boundary. One more subgroup on the CPU lane starts when that lane is free (at the earliest when
     the step starts: its gradients are final only at the end of backward, being nearest the GPU lane's); it is
-    moved over when ``max(cpu_end, 0) + cpu_sub < gpu_end - gpu_sub``, i.e. both lanes would then end before the
-    GPU lane ends now. One is moved back when ``gpu_end + gpu_sub < cpu_end``, i.e. the GPU lane could take it
-    and still end before the CPU lane ends now. Both are strict improvements of the predicted step, so the two
-    cannot alternate on the same measurements."""
+    moved over when ``max(cpu_end, 0) + cpu_sub < gpu_end - gpu_sub``: the CPU lane would still end before the
+    shortened GPU lane, so the step ends ``gpu_sub`` sooner (moving one that would make the CPU lane the last to
+    end could gain less than that, and a noisy measurement could then move it back). One is moved back when
+    ``gpu_end + gpu_sub < cpu_end``: the GPU lane could take it and still end before the CPU lane ends now. Both
+    shorten the predicted step, and neither can follow the other on the same measurements."""
 
     def __init__(self, max_swing: int, window: int = 3):
         if max_swing < 0 or window < 1:
