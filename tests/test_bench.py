@@ -140,6 +140,23 @@ def test_rounds_reverse_the_order_and_pool(monkeypatch):
         bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", rounds=0))
 
 
+def test_ratio_to_no_offload_pooled_and_per_round(monkeypatch):
+    times = {"no-offload": [[1.0, 1.0], [2.0, 2.0]], "dostune": [[1.5, 1.5], [2.0, 2.0]]}
+    seen = []
+
+    def fake_run(name, spec, opts, offload, progress):
+        seen.append(name)
+        return _fake(name, times[name][seen.count(name) - 1], peak=1.0)
+
+    monkeypatch.setattr(bench_run, "run_method", fake_run)
+    res = bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", seq=32, methods=["no-offload", "dostune"],
+                                                     rounds=2), command="pytest")
+    pooled, per_round = res.over_ceiling("dostune")
+    assert pooled == pytest.approx(1.75 / 1.5) and per_round == [1.5, 1.0]
+    assert res.over_ceiling("no-offload") is None and res.over_ceiling("zero-offload") is None
+    assert "- dostune: 1.17x no offload's iteration time (per round: 1.50x, 1.00x)" in markdown(res)
+
+
 def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     import json
 

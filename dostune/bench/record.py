@@ -83,6 +83,16 @@ class BenchResult(_Record):
             return None
         return b.iter_s / a.iter_s
 
+    def over_ceiling(self, method: str, ceiling: str = "no-offload") -> Optional[tuple[float, list[float]]]:
+        """The method's iteration time over no offload's: pooled, and per round. A round measures both methods one
+        after the other (the order reversed every other round), so each round's ratio is taken across minutes,
+        not across the whole run, on a machine whose speed drifts."""
+        a, b = self.methods.get(method), self.methods.get(ceiling)
+        if method == ceiling or not (a and b and a.ran and b.ran and a.iter_s and b.iter_s):
+            return None
+        per_round = [x / y for x, y in zip(a.round_iter_s, b.round_iter_s) if y]
+        return a.iter_s / b.iter_s, per_round
+
 
 def load_bench(path) -> BenchResult:
     from pydantic import ValidationError

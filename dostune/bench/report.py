@@ -26,6 +26,17 @@ def rows(res: BenchResult) -> list[list[str]]:
     return out
 
 
+def ceiling_lines(res: BenchResult) -> list[str]:
+    """One line per method: its iteration time over no offload's, pooled and per round (none without no offload)."""
+    out = []
+    for name in res.methods:
+        r = res.over_ceiling(name)
+        if r is not None:
+            rounds = f" (per round: {', '.join(f'{x:.2f}x' for x in r[1])})" if len(r[1]) > 1 else ""
+            out.append(f"{name}: {r[0]:.2f}x no offload's iteration time{rounds}")
+    return out
+
+
 def _repeats(res: BenchResult) -> str:
     if res.rounds == 1:
         return f"medians of {res.iters} iterations after {res.warmup} warm-up"
@@ -47,6 +58,9 @@ def markdown(res: BenchResult) -> str:
                   ""]
         lines += [f"- `{n}`: " + ", ".join(f"{x:.3f}" for x in m.round_iter_s)
                   for n, m in res.methods.items() if m.ran]
+    ceiling = ceiling_lines(res)
+    if ceiling:
+        lines += ["", "Against no offload (the ceiling):", ""] + [f"- {line}" for line in ceiling]
     mem = [(n, m) for n, m in res.methods.items() if m.ran and m.phase_peak_gib]
     if mem:
         lines += ["", "Peak GPU memory allocated within each phase (GiB):", "", "| method | forward | backward | step |",

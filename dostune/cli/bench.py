@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..bench.record import BenchResult
-from ..bench.report import COLUMNS, markdown, plot_timeline, rows
+from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
 from ..bench.run import METHODS, BenchOptions, run_bench
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
@@ -97,6 +97,8 @@ def bench(
         png = plot_timeline(res.methods["dostune"].timeline, path.with_name(path.stem + "-timeline.png"),
                             f"dostune update timeline: {model} on {res.node}")
     err_console.print(render_bench(res))
+    for line in ceiling_lines(res):
+        err_console.print(line)
     err_console.print(f"results written to [bold]{path}[/] and {path.with_suffix('.md')}"
                       + (f"; timeline {png}" if png else ""))
     if json_out:
