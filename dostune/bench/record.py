@@ -77,19 +77,22 @@ class BenchResult(_Record):
     seed: int
     methods: dict[str, MethodResult]
 
+    def _both_ran(self, method: str, other: str) -> Optional[tuple[MethodResult, MethodResult]]:
+        a, b = self.methods.get(method), self.methods.get(other)
+        return (a, b) if a and b and a.ran and b.ran and a.iter_s and b.iter_s else None
+
     def speedup(self, method: str, baseline: str = "zero-offload") -> Optional[float]:
-        a, b = self.methods.get(method), self.methods.get(baseline)
-        if not (a and b and a.ran and b.ran and a.iter_s and b.iter_s):
-            return None
-        return b.iter_s / a.iter_s
+        pair = self._both_ran(method, baseline)
+        return None if pair is None else pair[1].iter_s / pair[0].iter_s
 
     def over_ceiling(self, method: str, ceiling: str = "no-offload") -> Optional[tuple[float, list[float]]]:
         """The method's iteration time over no offload's: pooled, and per round. A round measures both methods one
         after the other (the order reversed every other round), so each round's ratio is taken across minutes,
         not across the whole run, on a machine whose speed drifts."""
-        a, b = self.methods.get(method), self.methods.get(ceiling)
-        if method == ceiling or not (a and b and a.ran and b.ran and a.iter_s and b.iter_s):
+        pair = None if method == ceiling else self._both_ran(method, ceiling)
+        if pair is None:
             return None
+        a, b = pair
         per_round = [x / y for x, y in zip(a.round_iter_s, b.round_iter_s) if y]
         return a.iter_s / b.iter_s, per_round
 
