@@ -453,3 +453,6 @@ def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_
     assert scripted[0].opt.dostune_swing_stats["steps_by_swing"] == {0: 6, 1: 5, 2: 3, 3: 6}
     if overlap:  # the moved subgroups were updated during backward too, and committed
         assert ours["overlap"]["committed"] == sum(len(c) for c in lanes)
+        # the worker's own list (it updates in the step those no gradient reached in backward) follows the plan
+        opt = scripted[0].opt
+        assert opt._dos.overlap.subgroups == opt._dos.plan.cpu_order != [4]
