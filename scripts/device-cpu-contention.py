@@ -119,19 +119,15 @@ class Load:
             t.join()
 
 
-def adam_variant(flags: list[str], out: Path) -> ctypes.CDLL:
-    saved = cpu_kernel._FLAGS
+def adam_variant(march: str) -> ctypes.CDLL:
+    """The CPU-lane kernel built with -march=``march`` (dostune builds it with native)."""
+    saved, saved_lib = cpu_kernel._FLAGS, cpu_kernel._lib
     try:
-        cpu_kernel._FLAGS = flags
+        cpu_kernel._FLAGS = [f if f != "-march=native" else f"-march={march}" for f in saved]
         cpu_kernel._lib = None
-        lib = ctypes.CDLL(str(cpu_kernel._build()))
+        return cpu_kernel.load()
     finally:
-        cpu_kernel._FLAGS = saved
-    f = lib.dostune_adam_oop
-    f.restype = None
-    f.argtypes = cpu_kernel.load().dostune_adam_oop.argtypes
-    cpu_kernel._lib = None
-    return lib
+        cpu_kernel._FLAGS, cpu_kernel._lib = saved, saved_lib
 
 
 def main() -> None:
@@ -141,9 +137,7 @@ def main() -> None:
     probe = build(PROBE_C, [], tmp / "probe.so")
     probe.clock_probe.restype = ctypes.c_double
     probe.clock_probe.argtypes = [ctypes.c_long]
-    native = cpu_kernel._FLAGS
-    libs = {"adam": adam_variant(native, tmp / "a.so"),
-            "adam256": adam_variant([f if f != "-march=native" else "-march=haswell" for f in native], tmp / "b.so")}
+    libs = {"adam": adam_variant("native"), "adam256": adam_variant("haswell")}
     n = 25_000_000
     s = AdamScalarShadow(0.9, 0.95)
     s.increment(1, 0.9, 0.95)
