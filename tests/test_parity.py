@@ -443,6 +443,8 @@ def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_
     def adjust(opt):
         if overlap:
             no_partial_norm_cutoff(opt)
+            for i in (3, 2, 1):  # their shadows exist before any step moves them (not allocated mid-step)
+                assert opt._dos.overlap.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i]
         scripted.append(ScriptedSwing(opt, [0, 1, 3, 2, 0, 3, 1]))
         opt._dos.balance = scripted[0]
 

@@ -322,6 +322,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         dos.overlap = BackwardOverlap(dos.plan.cpu_order, self._dostune_subgroup_io, scalars, lane_device,
                                       dos.pins.pin, bwd_threads, threads)
+        dos.overlap.reserve(swing_candidates(len(self.fp16_groups), dos.schedule))
 
     def _dostune_subgroup_io(self, i: int) -> SubgroupIO:
         fp32 = self.fp32_partitioned_groups_flat[i]
