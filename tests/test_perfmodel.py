@@ -178,6 +178,11 @@ def test_memory_prediction():
     assert mem.peak_gpu_gib == pytest.approx(max(12.0, 2.0 + mem.extra_step_gib))
     early = predict_memory(sizes, sched, m, grad_alloc_fraction=[0.0, 0.0, 0.5, 0.3])
     assert early.extra_bwd_gib == pytest.approx(kept / 2**30)
+    # overlap_backward shadows the CPU lane's states; adaptive_swing adds those of the subgroups it may move
+    ov = sched.model_copy(update={"overlap_backward": True})
+    swing = ov.model_copy(update={"adaptive_swing": 1})
+    extra = predict_memory(sizes, swing, m).pinned_host_gib - predict_memory(sizes, ov, m).pinned_host_gib
+    assert extra == pytest.approx(12 * 10**8 / 2**30)
 
 
 def test_step_prefetch_during_deepspeeds_prologue_by_hand():

@@ -178,3 +178,17 @@ def test_resident_subgroups_fill_the_peak_allowance(space):
     over = space._predict(c, r + 1)  # one more would break the limit
     assert over.memory.peak_gpu_gib > space.max_peak_gib
     assert p.step_s < space._predict(c, 0).step_s
+
+
+def test_overlap_schedules_let_every_streamed_gpu_subgroup_swing(space):
+    """adaptive_swing is emitted with overlap_backward, bounded by the streamed (not resident) GPU-lane subgroups,
+    and changes no predicted time."""
+    from dostune.tune.space import Candidate
+
+    p = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True))
+    r = p.schedule.resident_subgroups
+    assert 0 < r < 9 and p.schedule.adaptive_swing == 9 - r
+    fixed = space._predict(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True), r)
+    assert fixed.step_s == p.step_s
+    off = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, False))
+    assert off.schedule.adaptive_swing == 0

@@ -73,7 +73,7 @@ class ScheduleConfig(BaseModel):
         "give them back when the CPU lane ends last; decided between steps from the last 3 steps. Each subgroup "
         "updates to the same values in either lane. Costs 12 bytes of host memory per parameter of those "
         "subgroups with overlap_backward. Needs a CUDA device to measure (elsewhere the split stays as tuned); "
-        "0 (off) by default, and not searched by dostune tune"))
+        "0 (off) by default; dostune tune sets it to the number of streamed GPU-lane subgroups with overlap_backward"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")

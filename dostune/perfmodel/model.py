@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..optim.schedule import GPU, ScheduleConfig, assign_lanes
+from ..optim.schedule import GPU, ScheduleConfig, assign_lanes, swing_candidates
 from .inputs import Cost, ModelInputs, NodeInputs
 
 GiB = 2**30
@@ -342,6 +342,8 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
         pinned += STATE_BYTES * sum(sizes[i] for i in cpu)
         # and of the GPU-lane subgroups updated during backward
         pinned += STATE_BYTES * sum(sizes[i] for i in sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups])
+        # and of the GPU-lane subgroups adaptive_swing may move to the CPU lane (allocated at start-up)
+        pinned += STATE_BYTES * sum(sizes[i] for i in swing_candidates(len(sizes), sched))
     return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
                             pinned_host_gib=pinned / GiB)
 
