@@ -181,14 +181,19 @@ def test_resident_subgroups_fill_the_peak_allowance(space):
 
 
 def test_overlap_schedules_let_every_streamed_gpu_subgroup_swing(space):
-    """adaptive_swing is emitted with overlap_backward, bounded by the streamed (not resident) GPU-lane subgroups,
-    and changes no predicted time."""
+    """adaptive_swing is emitted with overlap_backward, bounded by the streamed (not resident) GPU-lane subgroups;
+    the prediction keeps the tuned split and counts the extra shadow states in pinned host memory."""
+    from dostune.optim.schedule import swing_candidates
     from dostune.tune.space import Candidate
 
     p = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True))
     r = p.schedule.resident_subgroups
     assert 0 < r < 9 and p.schedule.adaptive_swing == 9 - r
-    fixed = space._predict(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True), r)
-    assert fixed.step_s == p.step_s
+    fixed = space.predict_schedule(25_000_000, p.schedule.model_copy(update={"adaptive_swing": 0}))
+    assert fixed.step_s == p.step_s and fixed.iter_s == p.iter_s
+    moved = swing_candidates(len(p.sizes), p.schedule)
+    assert len(moved) == 9 - r
+    assert p.memory.pinned_host_gib - fixed.memory.pinned_host_gib == pytest.approx(
+        12 * sum(p.sizes[i] for i in moved) / 2**30)
     off = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, False))
     assert off.schedule.adaptive_swing == 0

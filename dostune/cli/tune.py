@@ -121,11 +121,10 @@ def tune(
     save_record(res, out / "tune.json")
     best = res.best
     from ..optim.schedule import ScheduleConfig
-    from ..perfmodel.model import simulate_step
 
     sched = ScheduleConfig.model_validate(best.schedule)
-    spans = simulate_step(space.sizes(best.sub_group_size), sched, space.node, space.overhead_s,
-                          backward_s=space.model.bwd_s).spans
+    # the prediction the search scored: with overlap_backward, the CPU lane's work under backward included
+    spans = space.predict_schedule(best.sub_group_size, sched).step.spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
                         f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
                         "subgroups on the GPU")

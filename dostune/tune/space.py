@@ -78,8 +78,10 @@ class Space:
         n = len(self.sizes(c.sub_group_size))
         # With overlap_backward every streamed GPU-lane subgroup may swing to the CPU lane: the lane times measured
         # at run time decide how many do (the model, fitted to one profile, cannot know how fast the host runs that
-        # minute). It changes no prediction, which assumes the tuned split; its shadow states count in the pinned
-        # host memory. On the H100 with gpt2-1.3b the step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s
+        # minute). The prediction keeps the tuned split: with "first" placement, moving the k highest GPU-lane
+        # subgroups gives the lanes of the candidate with k fewer, which the search scores anyway, so the model's
+        # best split is already its pick. Their shadow states count in the pinned host memory. On the H100 with
+        # gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s
         # (results/h100/swing-gpt2-1.3b/).
         swing = max(0, min(c.gpu_count, n) - resident) if c.overlap_backward else 0
         # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
@@ -89,8 +91,12 @@ class Space:
                               expected_subgroups=n)
 
     def _predict(self, c: Candidate, resident: int) -> Prediction:
-        return predict(self.sizes(c.sub_group_size), c.sub_group_size, self.schedule(c, resident), self.node,
-                       self.model, self.overhead_s, self.grad_alloc(c.sub_group_size), self.grad_ready(c.sub_group_size))
+        return self.predict_schedule(c.sub_group_size, self.schedule(c, resident))
+
+    def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig) -> Prediction:
+        """The model's prediction for any schedule at ``sub_group_size`` on this node and model."""
+        return predict(self.sizes(sub_group_size), sub_group_size, sched, self.node, self.model, self.overhead_s,
+                       self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size))
 
     def evaluate(self, c: Candidate) -> Prediction:
         """The candidate's prediction, with as many resident subgroups as the memory limits leave room for."""
