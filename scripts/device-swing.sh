@@ -8,7 +8,8 @@
 #   run(command="bash scripts/device-swing.sh swing static", carry=[".whl"])   # ~6-8 min on a warm machine
 #   run(command="bash scripts/device-swing.sh passive static", carry=[".whl"])
 # Writes under $OUT/swing-gpt2-1.3b: the GPU tests' tail, each bench (.json/.md/timeline), the swing config;
-# the swing bench's .md says how many steps ran with each swing.
+# the swing bench's .md says how many steps ran with each swing. Results so far: results/h100/swing-gpt2-1.3b/
+# (indexed in results/README.md); re-running overwrites $OUT's files of the same name, so copy them out per call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh
