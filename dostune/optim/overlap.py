@@ -282,7 +282,7 @@ class BackwardOverlap:
         """Allocate and page-lock the shadow buffers of ``subgroups`` now instead of at their first update: a
         subgroup adaptive_swing moves to this lane mid-run otherwise pays for 12 bytes per element of fresh pinned
         memory inside that step (on the H100 a 25M-element subgroup's update ended ~190 ms late,
-        results/h100/swing-gpt2-1.3b/swing4-timeline.png)."""
+        results/h100/swing-gpt2-1.3b/swing4-timeline-a.png)."""
         for i in subgroups:
             self._buffers(i, self._io(i))
 

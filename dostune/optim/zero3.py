@@ -225,8 +225,8 @@ def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConf
         raise ConfigError(
             f"overlap_backward needs {need / 2**30:.1f} GiB more host memory for shadow optimizer states, but only "
             f"{available / 2**30:.1f} GiB are available",
-            hint="set overlap_backward false, or lower backward_gpu_subgroups, or raise gpu_fraction so fewer "
-                 "subgroups are updated on the CPU")
+            hint="set overlap_backward false, or lower adaptive_swing or backward_gpu_subgroups, or raise "
+                 "gpu_fraction so fewer subgroups are updated on the CPU")
 
 
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
