@@ -25,6 +25,7 @@ low-priority CUDA stream as each subgroup finishes.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -122,6 +123,12 @@ class BackwardOverlap:
         # for the step. A/B only: on the H100 with gpt2-1.3b, capping 26 CPU-lane subgroups at 12 took 27 ms off
         # backward and put 70 ms on the step (results/h100/backward-interference-gpt2-1.3b).
         self.max_speculative: Optional[int] = None
+        # Keep the thread that runs backward's hooks (which paces a host-bound ZeRO-3 backward) on a CPU of its own
+        # and the CPU lane's threads on the others while backward runs; in the step the lane uses every CPU.
+        self.pin_threads = False
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._pinned_hooks: set[int] = set()  # ids of hook threads restricted by pin_hook_thread
+        self._team_cpus: Optional[list[int]] = None  # what the worker's team was last restricted to
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -155,6 +162,7 @@ class BackwardOverlap:
         self.spec_inv = spec_inv if self.speculate else None
         self.loss_scale = loss_scale
         self.clip_threshold = clip if clip > 0 else None
+        self.pin_hook_thread()
         self._ensure_thread()
         self._lane_busy(True)
 
@@ -210,6 +218,32 @@ class BackwardOverlap:
         elif not busy and self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
+
+    def _can_pin(self) -> bool:
+        return len(self._cpus) >= 2
+
+    def pin_hook_thread(self) -> None:
+        """Restrict the calling thread (backward's, when called from its hooks) to the last allowed CPU if
+        ``pin_threads``, or give it back every CPU if an earlier call restricted it."""
+        if not self._can_pin():
+            return
+        tid = threading.get_ident()
+        if self.pin_threads and tid not in self._pinned_hooks:
+            os.sched_setaffinity(0, self._cpus[-1:])
+            self._pinned_hooks.add(tid)
+        elif not self.pin_threads and tid in self._pinned_hooks:
+            os.sched_setaffinity(0, self._cpus)
+            self._pinned_hooks.discard(tid)
+
+    def _pin_team(self, in_backward: bool) -> None:
+        """Called by the worker before each update: its OpenMP team keeps off the hook thread's CPU while backward
+        runs (``pin_threads``); otherwise it may use every CPU (only changed back if it was ever restricted)."""
+        if not self._can_pin():
+            return
+        want = self._cpus[:-1] if (self.pin_threads and in_backward) else self._cpus
+        if want != self._team_cpus and (self._team_cpus is not None or want != self._cpus):
+            cpu_kernel.pin_team(max(self.threads_backward, self.threads_step), want)
+            self._team_cpus = want
 
     def shadow(self, i: int) -> Buffers:
         return self._shadows[i]
@@ -316,6 +350,7 @@ class BackwardOverlap:
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
         half = self._half_buffer(k, n, io.half.dtype)
+        self._pin_team(in_backward=self._submitted is None)
         t0 = time.perf_counter()
         cpu_kernel.adam_out_of_place(io.param, io.grad, io.exp_avg, io.exp_avg_sq, b.p, b.m, b.v,
                                      self.scalars[i], inv_scale=inv, half_out=half, threads=threads,
