@@ -6,7 +6,8 @@ PATCH is JSON merged into the config's dostune section, e.g. '{"backward_gpu_sub
 members, e.g. '{"_overlap.nontemporal": true}'); the config runs as is first. ALT='{"_early_norm": false}' applies
 private settings on every other iteration of each engine and reports both halves (an A/B without the drift between
 engines built one after another); its key "!march" instead swaps in the CPU lane's kernel built with -march=VALUE
-(e.g. haswell: no 512-bit instructions) for -march=native. With PROFILE=1 the first run's last iteration is
+(e.g. haswell: no 512-bit instructions) for -march=native. BLOCK=K alternates in blocks of K iterations instead
+and times the last K-1 of each (the first lets adaptive_swing, which learns from the previous step, adapt). With PROFILE=1 the first run's last iteration is
 recorded with torch.profiler and its top host-side CUDA calls and GPU operations are printed. Each run also reports the time Python's garbage collector
 took per phase (median ms per iteration); GCFREEZE=1 calls gc.freeze() once the engine is built, so the collector
 no longer walks the objects that exist by then."""
@@ -98,11 +99,17 @@ def run(cfg: dict, profile: bool, label: str) -> None:
     gen = torch.Generator().manual_seed(1)
     times, alt_times = [], []
     prof = None
-    for k in range(WARMUP + 2 * ITERS if alternate else WARMUP + ITERS):
+    block = int(os.environ.get("BLOCK", "1"))
+    total = WARMUP + ITERS
+    if alternate:  # ITERS timed iterations each way
+        total = WARMUP + 2 * ITERS if block == 1 else WARMUP + 2 * block * -(-ITERS // (block - 1))
+    for k in range(total):
+        odd = (k - WARMUP) // block % 2 if k >= WARMUP else k % 2
+        settle = block > 1 and k >= WARMUP and (k - WARMUP) % block == 0
         if libs is not None:
-            use_kernel(libs[k % 2])
+            use_kernel(libs[odd])
         for key in alt:
-            set_private(engine, key, alt[key] if k % 2 else alt_default[key])
+            set_private(engine, key, alt[key] if odd else alt_default[key])
         batch = spec.batch(8, 1024, gen, engine.device)
         torch.cuda.synchronize()
         if profile and k == WARMUP + ITERS - 1:
@@ -124,9 +131,9 @@ def run(cfg: dict, profile: bool, label: str) -> None:
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         clock.phase = None
-        if k >= WARMUP:
-            (alt_times if alternate and k % 2 else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
-            (alt_gcs if alternate and k % 2 else gcs).append(clock.take())
+        if k >= WARMUP and not settle:
+            (alt_times if alternate and odd else times).append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+            (alt_gcs if alternate and odd else gcs).append(clock.take())
     clock.close()
     if libs is not None:
         use_kernel(libs[0])
@@ -139,7 +146,8 @@ def run(cfg: dict, profile: bool, label: str) -> None:
             gc_ms = " ".join(f"{ph} {1e3 * statistics.median(g.get(ph, 0.0) for g in gs):.1f}"
                              for ph in ("fwd", "bwd", "step"))
             print(f"== {name}: median fwd {med[0]:.3f} bwd {med[1]:.3f} step {med[2]:.3f} iter {med[3]:.3f} s "
-                  f"({len(ts)} iterations; gc ms {gc_ms}); overlap stats {engine.optimizer.dostune_overlap_stats}",
+                  f"({len(ts)} iterations; gc ms {gc_ms}); overlap stats {engine.optimizer.dostune_overlap_stats}; "
+                  f"swing {engine.optimizer.dostune_swing_stats}",
                   flush=True)
     if prof is not None:
         ka = prof.key_averages()
