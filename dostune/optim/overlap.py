@@ -124,7 +124,9 @@ class BackwardOverlap:
         # backward and put 70 ms on the step (results/h100/backward-interference-gpt2-1.3b).
         self.max_speculative: Optional[int] = None
         # Keep the thread that runs backward's hooks (which paces a host-bound ZeRO-3 backward) on a CPU of its own
-        # and the CPU lane's threads on the others while backward runs; in the step the lane uses every CPU.
+        # and the CPU lane's threads on the others while backward runs; in the step the lane uses every CPU. A/B
+        # only: on the H100 node (16 vCPUs of a shared host) it lengthened backward, 0.267 -> 0.283 s, and with 12
+        # CPU-lane threads 0.241 -> 0.267 s (alternate iterations of one engine, results/h100/pin-gpt2-1.3b).
         self.pin_threads = False
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self._pinned_hooks: set[int] = set()  # ids of hook threads restricted by pin_hook_thread
