@@ -146,3 +146,29 @@ def test_pinned_lane_keeps_off_the_hook_threads_cpu_in_backward_only(lane):
         ov.pin_hook_thread()  # gives this thread every CPU back
     assert sorted(os.sched_getaffinity(0)) == cpus
     assert seen[0] == cpus[:-1] and all(s == cpus for s in seen[1:]) and len(seen) == len(SUBGROUPS)
+
+
+@needs_two_cpus
+def test_close_gives_a_pinned_hook_thread_every_cpu_back(lane):
+    ov, _, _ = lane
+    cpus = sorted(os.sched_getaffinity(0))
+    ov.pin_threads = True
+    opened, release, tid = threading.Event(), threading.Event(), []
+
+    def hook_thread():  # outlives the lane, as backward's thread outlives the engine
+        tid.append(threading.get_native_id())
+        ov.open(BackwardOverlap.spec_factor(1.0), 1.0, 0.0)
+        opened.set()
+        release.wait(30)
+
+    t = threading.Thread(target=hook_thread)
+    t.start()
+    try:
+        assert opened.wait(30)
+        assert sorted(os.sched_getaffinity(tid[0])) == cpus[-1:]
+        ov.finish(BackwardOverlap.spec_factor(1.0), True)
+        ov.close()
+        assert sorted(os.sched_getaffinity(tid[0])) == cpus
+    finally:
+        release.set()
+        t.join()

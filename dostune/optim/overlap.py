@@ -129,7 +129,10 @@ class BackwardOverlap:
         # CPU-lane threads 0.241 -> 0.267 s (alternate iterations of one engine, results/h100/pin-gpt2-1.3b).
         self.pin_threads = False
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self._pinned_hooks: set[int] = set()  # ids of hook threads restricted by pin_hook_thread
+        # native ids of the threads pin_hook_thread restricted: backward's thread outlives the engine, so close()
+        # gives them every CPU back (a later engine in the process, e.g. the next method of a bench, must not
+        # inherit one CPU)
+        self._pinned_hooks: set[int] = set()
         self._team_cpus: Optional[list[int]] = None  # what the worker's team was last restricted to
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
@@ -229,7 +232,7 @@ class BackwardOverlap:
         ``pin_threads``, or give it back every CPU if an earlier call restricted it."""
         if not self._can_pin():
             return
-        tid = threading.get_ident()
+        tid = threading.get_native_id()
         if self.pin_threads and tid not in self._pinned_hooks:
             os.sched_setaffinity(0, self._cpus[-1:])
             self._pinned_hooks.add(tid)
@@ -261,6 +264,12 @@ class BackwardOverlap:
 
     def close(self) -> None:
         self._lane_busy(False)
+        for tid in list(self._pinned_hooks):
+            try:
+                os.sched_setaffinity(tid, self._cpus)
+            except OSError:  # the thread has ended
+                pass
+            self._pinned_hooks.discard(tid)
         if self._thread is not None and self._thread.is_alive():
             self._tasks.put(("stop",))
             self._thread.join(timeout=60)
