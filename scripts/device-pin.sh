@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine: does keeping backward's hook thread on a CPU of its own (and the CPU lane's threads off it)
-# shorten a dostune backward? gpt2-1.3b, bf16, micro-batch 8, seq 1024, no clipping, the tuned config with
-# adaptive_swing 9 (what `dostune tune` emits); each A/B alternates iterations of one engine
+# shorten a dostune backward? gpt2-1.3b, bf16, micro-batch 8, seq 1024, no clipping, the 25M-subgroup tuned pick
+# (results/h100/tune-gpt2-1.3b-resident/) with adaptive_swing 9; each A/B alternates iterations of one engine
 # (scripts/device-profile-backward.py's ALT), so the host's drift between processes does not enter.
 # Variants: pin (every other iteration), threads (fewer CPU-lane threads in backward, in blocks of 4 iterations so
 # that adaptive_swing can rebalance the step; the first of each block is not timed).
 #   run(command="bash scripts/device-pin.sh pin threads", carry=[".whl"])   # ~5 min each on a fresh machine
 # Writes under $OUT/pin-gpt2-1.3b: each A/B's result lines, the CPU kernel's and worker's tests' tail.
+# Results: results/h100/pin-gpt2-1.3b/ (indexed in results/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device-env.sh

@@ -7,8 +7,9 @@ members, e.g. '{"_overlap.nontemporal": true}'); the config runs as is first. AL
 private settings on every other iteration of each engine and reports both halves (an A/B without the drift between
 engines built one after another); its key "!march" instead swaps in the CPU lane's kernel built with -march=VALUE
 (e.g. haswell: no 512-bit instructions) for -march=native. BLOCK=K alternates in blocks of K iterations instead
-and times the last K-1 of each (the first lets adaptive_swing, which learns from the previous step, adapt). With PROFILE=1 the first run's last iteration is
-recorded with torch.profiler and its top host-side CUDA calls and GPU operations are printed. Each run also reports the time Python's garbage collector
+and times the last K-1 of each (the first lets adaptive_swing, which learns from the previous step, adapt).
+With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA calls and
+GPU operations are printed. Each run also reports the time Python's garbage collector
 took per phase (median ms per iteration); GCFREEZE=1 calls gc.freeze() once the engine is built, so the collector
 no longer walks the objects that exist by then."""
 import gc
