@@ -173,3 +173,72 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")
+
+
+def test_dostune_configs_compared_in_one_run_each_with_its_own_schedule(monkeypatch):
+    from dostune.optim.schedule import ScheduleConfig
+
+    seen = []
+    times = {"no-offload": [1.0, 1.0], "dostune": [1.5, 1.5], "dostune:b": [1.2, 1.2]}
+
+    def fake_run(name, spec, opts, offload, progress):
+        seen.append((name, offload.schedule.gpu_fraction if offload.schedule else None, offload.sub_group_size))
+        return _fake(name, times[name], peak=1.0)
+
+    monkeypatch.setattr(bench_run, "run_method", fake_run)
+    a, b = ScheduleConfig(gpu_fraction=0.25), ScheduleConfig(gpu_fraction=0.5)
+    opts = bench_run.BenchOptions(model="gpt2-tiny", seq=32, methods=["dostune", "no-offload"], rounds=2, schedule=a,
+                                  dostune_sub_group_size=5_000, sub_group_size=9_000,
+                                  variants=[bench_run.Variant("b", b, 7_000, "b/ds_config.json")])
+    res = bench_run.run_bench(opts, command="pytest")
+    assert [s[0] for s in seen] == ["no-offload", "dostune", "dostune:b", "dostune:b", "dostune", "no-offload"]
+    assert ("dostune", 0.25, 5_000) in seen and ("dostune:b", 0.5, 7_000) in seen and ("no-offload", None, 9_000) in seen
+    assert list(res.methods) == ["no-offload", "dostune", "dostune:b"]
+    assert res.over_ceiling("dostune:b")[0] == pytest.approx(1.2)
+    assert "- dostune:b: 1.20x no offload's iteration time" in markdown(res)
+    assert opts.describe("dostune:b").endswith("schedule b (b/ds_config.json)")
+
+
+def test_dostune_configs_need_dostune_and_distinct_labels():
+    from dostune.optim.schedule import ScheduleConfig
+
+    v = bench_run.Variant("b", ScheduleConfig())
+    with pytest.raises(DostuneError, match="add dostune"):
+        bench_run.BenchOptions(methods=["no-offload"], variants=[v]).resolved_methods()
+    with pytest.raises(DostuneError, match="distinct labels"):
+        bench_run.BenchOptions(methods=["dostune"], variants=[v, v]).resolved_methods()
+
+
+def test_cli_bench_with_two_configs(monkeypatch, tmp_path):
+    import json
+
+    from dostune.cli.bench import config_label
+    assert config_label(tmp_path / "tune-x" / "ds_config.json") == "tune-x"
+    assert config_label(tmp_path / "my pick.json") == "my-pick"
+    ran = []
+
+    def fake_run(name, spec, opts, offload, progress):
+        ran.append((name, offload.schedule.gpu_fraction if offload.schedule else None, offload.sub_group_size))
+        return _fake(name, [1.0, 1.0], peak=1.0)
+
+    monkeypatch.setattr(bench_run, "run_method", fake_run)
+    paths = []
+    for folder, frac, sgs in (("a", 0.25, 5_000), ("b", 0.5, 7_000), ("b2/b", 0.75, None)):
+        p = tmp_path / folder / "ds_config.json"
+        p.parent.mkdir(parents=True)
+        zero = {"stage": 3} | ({"sub_group_size": sgs} if sgs else {})
+        p.write_text(json.dumps({"zero_optimization": zero, "dostune": {"version": 1, "gpu_fraction": frac}}))
+        paths.append(p)
+    out = tmp_path / "res" / "bench.json"
+    r = CliRunner().invoke(app, ["bench", "--model", "gpt2-tiny", "--seq", "32", "--methods", "no-offload,dostune",
+                                 "--sub-group-size", "9000", "--output", str(out)]
+                           + [x for p in paths for x in ("--config", str(p))])
+    assert r.exit_code == 0, r.output
+    assert ran == [("no-offload", None, 9_000), ("dostune", 0.25, 5_000), ("dostune:b", 0.5, 7_000),
+                   ("dostune:b-2", 0.75, 9_000)]
+    res = load_bench(out)
+    assert list(res.methods) == ["no-offload", "dostune", "dostune:b", "dostune:b-2"]
+    assert "`dostune:b-2`" in out.with_suffix(".md").read_text()
+    r = CliRunner().invoke(app, ["bench", "--methods", "no-offload", "--config", str(paths[0]), "--config",
+                                 str(paths[1])])
+    assert r.exit_code == 2 and "add dostune" in r.output

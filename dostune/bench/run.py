@@ -34,6 +34,26 @@ METHODS: dict[str, str] = {
 }
 GPU_DEFAULT = ["no-offload", "zero-offload", "dostune", "twin-flow-0.5", "twin-flow-mem", "superoffload"]
 CPU_DEFAULT = ["zero-offload", "dostune"]
+VARIANT_PREFIX = "dostune:"  # a further dostune schedule measured in the same run: "dostune:<label>"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another dostune schedule to measure beside the first, in the same run and the same round order, so the
+    comparison between two schedules is as free of the machine's drift as the one against the baselines."""
+
+    label: str
+    schedule: ScheduleConfig
+    sub_group_size: Optional[int] = None
+    source: str = ""  # where it came from (a config path), for the report
+
+    @property
+    def method(self) -> str:
+        return VARIANT_PREFIX + self.label
+
+
+def is_dostune(name: str) -> bool:
+    return name == "dostune" or name.startswith(VARIANT_PREFIX)
 
 
 @dataclass
@@ -53,6 +73,7 @@ class BenchOptions:
     dostune_sub_group_size: Optional[int] = None
     node: Optional[str] = None
     train: TrainSettings = field(default_factory=TrainSettings)
+    variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
 
     def resolved_methods(self) -> list[str]:
         methods = self.methods or (GPU_DEFAULT if cuda_available() else CPU_DEFAULT)
@@ -61,9 +82,25 @@ class BenchOptions:
             raise DostuneError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if "twin-flow-mem" in methods and "dostune" not in methods:
             raise DostuneError("twin-flow-mem is sized from dostune's peak memory: add dostune to --methods")
+        if self.variants and "dostune" not in methods:
+            raise DostuneError("more than one dostune config compares dostune schedules: add dostune to --methods")
+        labels = [v.label for v in self.variants]
+        if len(set(labels)) != len(labels):
+            raise DostuneError(f"dostune configs need distinct labels, got {', '.join(labels)}")
         # dostune first among the offloaders, so twin-flow-mem can be sized from it
         order = list(METHODS)
-        return sorted(dict.fromkeys(methods), key=order.index)
+        out = sorted(dict.fromkeys(methods), key=order.index)
+        k = out.index("dostune") + 1 if "dostune" in out else len(out)
+        return out[:k] + [v.method for v in self.variants] + out[k:]
+
+    def describe(self, name: str) -> str:
+        v = self.variant(name)
+        if v is None:
+            return METHODS[name]
+        return f"{METHODS['dostune']}, schedule {v.label}" + (f" ({v.source})" if v.source else "")
+
+    def variant(self, name: str) -> Optional[Variant]:
+        return next((v for v in self.variants if v.method == name), None)
 
 
 def _sync():
@@ -130,9 +167,10 @@ def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) 
         return OffloadSettings(sub_group_size=sgs, ratio=twin_ratio if twin_ratio is not None else 1.0)
     if name == "superoffload":
         return OffloadSettings(sub_group_size=sgs, ratio=1.0, super_offload=True)
-    sched = opts.schedule or ScheduleConfig()
-    return OffloadSettings(sub_group_size=opts.dostune_sub_group_size or sgs, ratio=1.0,
-                           schedule=sched.model_copy(update={"trace": True}))
+    v = opts.variant(name)
+    sched = v.schedule if v is not None else (opts.schedule or ScheduleConfig())
+    dsgs = v.sub_group_size if v is not None else opts.dostune_sub_group_size
+    return OffloadSettings(sub_group_size=dsgs or sgs, ratio=1.0, schedule=sched.model_copy(update={"trace": True}))
 
 
 def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: float) -> float:
@@ -146,15 +184,15 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
     from ..train.engine import build_engine
 
     progress.start(f"{name}: building the engine", 1)
-    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=name == "dostune")
+    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=is_dostune(name))
     try:
         progress.advance()
         progress.start(f"{name}: {opts.warmup} warm-up + {opts.iters} timed iterations", opts.warmup + opts.iters)
         m = measure(engine, spec, opts.seq, opts.iters, opts.warmup, opts.seed, progress)
         params = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat) \
             if hasattr(engine.optimizer, "fp32_partitioned_groups_flat") else spec.num_params
-        timeline, description = [], METHODS[name]
-        if name == "dostune":
+        timeline, description = [], opts.describe(name)
+        if is_dostune(name):
             # Spans before 0 ran during backward (overlap_backward).
             timeline = [Span(lane=s.lane, subgroup=s.subgroup, start=s.start, end=s.end)
                         for s in engine.optimizer.dostune_last_trace]
@@ -195,11 +233,11 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
         res.allocated_before_gib = round(before, 3) if before is not None else None
         return res
     except (Exception, SystemExit) as e:  # a baseline that cannot run here is reported, not fatal
-        if isinstance(e, DostuneError) and name == "dostune":
+        if isinstance(e, DostuneError) and is_dostune(name):
             raise
         msg = f"{type(e).__name__}: {e}".strip()
         tb = traceback.format_exc(limit=3)
-        return MethodResult(method=name, description=METHODS[name], ran=False, error=(msg + "\n" + tb)[:2000],
+        return MethodResult(method=name, description=opts.describe(name), ran=False, error=(msg + "\n" + tb)[:2000],
                             ds_config=cfg)
     finally:
         free_engine_memory()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,7 @@ from rich.table import Table
 
 from ..bench.record import BenchResult
 from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
-from ..bench.run import METHODS, BenchOptions, run_bench
+from ..bench.run import METHODS, BenchOptions, Variant, is_dostune, run_bench
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..profile.record import read_json_record, save_record, atomic_write_text
@@ -26,16 +27,40 @@ def render_bench(res: BenchResult) -> Table:
     return t
 
 
+def _read_config(config: Path) -> tuple[ScheduleConfig, Optional[int]]:
+    data = read_json_record(config, "DeepSpeed config")
+    sched = ScheduleConfig.from_ds_config(data)
+    if sched is None:
+        raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
+    sgs = data.get("zero_optimization", {}).get("sub_group_size")
+    return sched, int(sgs) if sgs else None
+
+
+def config_label(path: Path) -> str:
+    """A short name for a config in method names: its file name without .json, or its folder's name for the
+    ds_config.json that `dostune tune` writes."""
+    name = path.parent.name if path.stem in ("ds_config", "config") and path.parent.name else path.stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "config"
+
+
+def _variants(configs: list[Path]) -> list[Variant]:
+    """The configs after the first, each a further dostune schedule; labels made distinct by a suffix."""
+    out, used = [], {config_label(configs[0])}
+    for path in configs[1:]:
+        sched, sgs = _read_config(path)
+        label, k = config_label(path), 2
+        while label in used:
+            label, k = f"{config_label(path)}-{k}", k + 1
+        used.add(label)
+        out.append(Variant(label=label, schedule=sched, sub_group_size=sgs, source=str(path)))
+    return out
+
+
 def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) -> tuple[Optional[ScheduleConfig], Optional[int]]:
     if config is not None and schedule_json is not None:
         raise DostuneError("give either --config or --schedule, not both")
     if config is not None:
-        data = read_json_record(config, "DeepSpeed config")
-        sched = ScheduleConfig.from_ds_config(data)
-        if sched is None:
-            raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
-        sgs = data.get("zero_optimization", {}).get("sub_group_size")
-        return sched, int(sgs) if sgs else None
+        return _read_config(config)
     if schedule_json is not None:
         try:
             section = json.loads(schedule_json)
@@ -61,12 +86,16 @@ def bench(
                                "or more on a machine whose speed drifts over minutes."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated subset of: " + ", ".join(METHODS)
                                           + ". Default: all on a GPU; zero-offload,dostune on a CPU."),
-    config: Optional[Path] = typer.Option(None, help="dostune's schedule and sub_group_size from a tuned "
-                                          "ds_config.json (dostune tune)."),
+    config: Optional[list[Path]] = typer.Option(None, help="dostune's schedule and sub_group_size from a tuned "
+                                                "ds_config.json (dostune tune). Repeat it to compare schedules in one "
+                                                "run: the first is `dostune`, each further one `dostune:<label>` (its "
+                                                "file name, or its folder's for a ds_config.json), measured in the "
+                                                "same round order.", metavar="<path>"),
     schedule: Optional[str] = typer.Option(None, help='dostune\'s schedule as JSON, e.g. \'{"gpu_fraction": 0.3}\'.'),
     sub_group_size: int = typer.Option(100_000_000, min=1, help="sub_group_size for DeepSpeed's methods."),
-    dostune_sub_group_size: Optional[int] = typer.Option(None, min=1, help="sub_group_size for dostune "
-                                                         "(default: --config's, else --sub-group-size)."),
+    dostune_sub_group_size: Optional[int] = typer.Option(None, min=1, help="sub_group_size for dostune, every "
+                                                         "--config (default: each --config's, else "
+                                                         "--sub-group-size)."),
     node: Optional[str] = typer.Option(None, help="Node label in the result (default: the GPU name)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
@@ -80,11 +109,18 @@ def bench(
     backward, step and iteration time (medians), update rate, peak GPU memory and the final loss.
 
     Example: dostune bench --model gpt2-1.3b --micro-batch 8 --seq 1024 --config ds_config.json
+
+    Two schedules against no offload, drift cancelled (A B C, C B A):
+    dostune bench --methods no-offload,dostune --rounds 2 --config a/ds_config.json --config b/ds_config.json
     """
-    sched, sgs = _schedule_from(config, schedule)
+    configs = list(config or [])
+    sched, sgs = _schedule_from(configs[0] if configs else None, schedule)
+    variants = _variants(configs) if len(configs) > 1 else []
+    if dostune_sub_group_size:  # for every dostune schedule; else each keeps its config's
+        variants = [Variant(v.label, v.schedule, dostune_sub_group_size, v.source) for v in variants]
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
-                        dostune_sub_group_size=dostune_sub_group_size or sgs, node=node,
+                        dostune_sub_group_size=dostune_sub_group_size or sgs, node=node, variants=variants,
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
     opts.resolved_methods()  # fail on bad names before any work
     with RichProgress() as progress:
@@ -92,10 +128,13 @@ def bench(
     path = output or Path("results") / res.node.lower().replace(" ", "-") / f"bench-{model}.json"
     save_record(res, path)
     atomic_write_text(path.with_suffix(".md"), markdown(res))
-    png = None
-    if "dostune" in res.methods and res.methods["dostune"].timeline:
-        png = plot_timeline(res.methods["dostune"].timeline, path.with_name(path.stem + "-timeline.png"),
-                            f"dostune update timeline: {model} on {res.node}")
+    pngs = []
+    for name, m in res.methods.items():
+        if is_dostune(name) and m.timeline:
+            suffix = "" if name == "dostune" else "-" + name.split(":", 1)[1]
+            pngs.append(plot_timeline(m.timeline, path.with_name(f"{path.stem}-timeline{suffix}.png"),
+                                      f"{name} update timeline: {model} on {res.node}"))
+    png = ", ".join(str(x) for x in pngs if x) or None
     err_console.print(render_bench(res))
     for line in ceiling_lines(res):
         err_console.print(line)
