@@ -242,3 +242,9 @@ def test_cli_bench_with_two_configs(monkeypatch, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--methods", "no-offload", "--config", str(paths[0]), "--config",
                                  str(paths[1])])
     assert r.exit_code == 2 and "add dostune" in r.output
+    ran.clear()
+    r = CliRunner().invoke(app, ["bench", "--model", "gpt2-tiny", "--seq", "32", "--methods", "dostune",
+                                 "--dostune-sub-group-size", "3000", "--output", str(out), "--config", str(paths[0]),
+                                 "--config", str(paths[1])])
+    assert r.exit_code == 0, r.output
+    assert ran == [("dostune", 0.25, 3_000), ("dostune:b", 0.5, 3_000)]  # the override reaches every config

@@ -43,11 +43,13 @@ def config_label(path: Path) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "config"
 
 
-def _variants(configs: list[Path]) -> list[Variant]:
-    """The configs after the first, each a further dostune schedule; labels made distinct by a suffix."""
+def _variants(configs: list[Path], sub_group_size: Optional[int]) -> list[Variant]:
+    """The configs after the first, each a further dostune schedule; labels made distinct by a suffix.
+    ``sub_group_size`` (--dostune-sub-group-size) replaces each config's own."""
     out, used = [], {config_label(configs[0])}
     for path in configs[1:]:
         sched, sgs = _read_config(path)
+        sgs = sub_group_size or sgs
         label, k = config_label(path), 2
         while label in used:
             label, k = f"{config_label(path)}-{k}", k + 1
@@ -115,9 +117,7 @@ def bench(
     """
     configs = list(config or [])
     sched, sgs = _schedule_from(configs[0] if configs else None, schedule)
-    variants = _variants(configs) if len(configs) > 1 else []
-    if dostune_sub_group_size:  # for every dostune schedule; else each keeps its config's
-        variants = [Variant(v.label, v.schedule, dostune_sub_group_size, v.source) for v in variants]
+    variants = _variants(configs, dostune_sub_group_size) if len(configs) > 1 else []
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
                         dostune_sub_group_size=dostune_sub_group_size or sgs, node=node, variants=variants,
@@ -131,7 +131,8 @@ def bench(
     pngs = []
     for name, m in res.methods.items():
         if is_dostune(name) and m.timeline:
-            suffix = "" if name == "dostune" else "-" + name.split(":", 1)[1]
+            v = opts.variant(name)
+            suffix = "" if v is None else "-" + v.label
             pngs.append(plot_timeline(m.timeline, path.with_name(f"{path.stem}-timeline{suffix}.png"),
                                       f"{name} update timeline: {model} on {res.node}"))
     png = ", ".join(str(x) for x in pngs if x) or None
