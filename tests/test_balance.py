@@ -17,13 +17,40 @@ def feed(b: LaneBalance, times, n: int) -> list[int]:
     return [b.observe(times) for _ in range(n)]
 
 
+def host(cpu_end0: float, gpu_end0: float, cpu_sub: float = 0.015, gpu_sub: float = 0.009):
+    """Lane times as a function of the swing: each subgroup moved over lengthens the CPU lane (from the step's
+    start at the earliest) by cpu_sub and shortens the GPU lane by gpu_sub."""
+    def at(swing: int) -> LaneTimes:
+        cpu_end = cpu_end0 + swing * cpu_sub if cpu_end0 > 0 or swing == 0 else swing * cpu_sub
+        return LaneTimes(cpu_end=cpu_end, gpu_end=gpu_end0 - swing * gpu_sub, cpu_sub=cpu_sub, gpu_sub=gpu_sub)
+    return at
+
+
+def run(b: LaneBalance, at, n: int) -> list[int]:
+    return [b.observe(at(b.swing)) for _ in range(n)]
+
+
 def test_moves_subgroups_to_the_cpu_lane_while_the_gpu_lane_ends_last_and_back_when_the_cpu_lane_does():
     b = LaneBalance(max_swing=4, window=3)
-    assert feed(b, FAST, 3) == [0, 0, 1]  # waits for a full window before the first move
-    assert feed(b, FAST, 6) == [1, 1, 2, 2, 2, 3]  # and after every move
-    assert feed(b, SLOW, 3) == [3, 3, 2]
+    assert feed(b, FAST, 3) == [0, 0, 3]  # waits for a full window, then makes every move the rule allows at once:
+    # 0.015k < 0.080 - 0.009k for k = 1, 2, 3 (0.045 < 0.053) but not 4 (0.060 > 0.044)
+    assert feed(b, FAST, 3) == [3, 3, 4]  # a full window again after every move; never beyond max_swing
+    assert feed(b, SLOW, 3) == [4, 4, 3]  # back: 0.090 + 0.009 < 0.110, but not 0.099 + 0.009 < 0.110 - 0.018
     assert feed(b, SLOW, 12)[-1] == 0
     assert feed(b, SLOW, 3) == [0, 0, 0]  # never below 0
+
+
+def test_settles_where_the_rule_stops_in_one_move_and_stays_there():
+    # The bench-swing9-zo timeline: with 3 moved over the CPU lane ended 45 ms and the GPU lane 97 ms into the
+    # step, at 15 and 12 ms a subgroup: at 4 the CPU lane would end at 60 and the GPU lane at 85 ms; at 5 the CPU
+    # lane would end last (75 vs 73 ms), so the rule stops at 4, and gets there in one move from 0.
+    at = host(cpu_end0=-0.010, gpu_end0=0.133, cpu_sub=0.015, gpu_sub=0.012)
+    b = LaneBalance(max_swing=9, window=3)
+    assert run(b, at, 12) == [0, 0, 4] + [4] * 9
+    # a host that turns slow (with 4 moved the CPU lane now ends at 220 ms, the GPU lane at 37) moves back in one
+    # decision too, once the slow steps are the window's median
+    slow = host(cpu_end0=0.140, gpu_end0=0.085, cpu_sub=0.020, gpu_sub=0.012)
+    assert run(b, slow, 3) == [4, 0, 0]
 
 
 def test_never_beyond_max_swing_and_unmeasured_steps_change_nothing():

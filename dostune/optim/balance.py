@@ -5,8 +5,8 @@ schedule had the CPU lane finish all its subgroups during backward and the step 
 alone (a fast host), and minutes later the CPU lane still working when the GPU lane was done (a slow one):
 results/h100/rounds-gpt2-1.3b, timelines of rounds-clip0-f and -c. A tuned static split is right for one of
 them. Each subgroup updates to the same values in either lane, so the split may change from step to step; this
-moves the GPU lane's streamed subgroups nearest the CPU lane over one at a time while that is predicted to end
-the step sooner, and back when the CPU lane ends last.
+moves the GPU lane's streamed subgroups nearest the CPU lane over while that is predicted to end the step
+sooner, and back when the CPU lane ends last.
 """
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ class LaneBalance:
     shortened GPU lane, so the step ends ``gpu_sub`` sooner (moving one that would make the CPU lane the last to
     end could gain less than that, and a noisy measurement could then move it back). One is moved back when
     ``gpu_end + gpu_sub < cpu_end``: the GPU lane could take it and still end before the CPU lane ends now. Both
-    shorten the predicted step, and neither can follow the other on the same measurements."""
+    shorten the predicted step, and neither can follow the other on the same measurements.
+
+    A decision applies that rule again to the lane ends it predicts after each move, and makes every move the
+    rule still allows at once. Moving one subgroup per window took 3 steps per subgroup: on the H100 the swing
+    was still climbing (at 3 of 9, where the rule would stop at 4 with a step predicted ~10 ms shorter) when an
+    11-step bench round ended (results/h100/bench-zo-gpt2-1.3b: steps_by_swing and the timeline of
+    bench-swing9-zo)."""
 
     def __init__(self, max_swing: int, window: int = 3):
         if max_swing < 0 or window < 1:
@@ -54,17 +60,26 @@ class LaneBalance:
             return self.swing
         m = LaneTimes(*(statistics.median(getattr(t, f) for t in self._seen)
                         for f in ("cpu_end", "gpu_end", "cpu_sub", "gpu_sub")))
-        move = 0
-        if self.swing < self.max_swing and max(m.cpu_end, 0.0) + m.cpu_sub < m.gpu_end - m.gpu_sub:
-            move = 1
-        elif self.swing > 0 and m.gpu_end + m.gpu_sub < m.cpu_end:
-            move = -1
+        move = self._moves(m)
         if move:
             self.swing += move
             self._seen.clear()
         else:
             self._seen.pop(0)
         return self.swing
+
+    def _moves(self, m: LaneTimes) -> int:
+        """Subgroups to move to the CPU lane (negative: back to the GPU lane) on the medians ``m``: each move is
+        made while the rule allows it on the lane ends predicted after the moves before it."""
+        cpu0 = max(m.cpu_end, 0.0)
+        k = 0
+        while self.swing + k < self.max_swing and cpu0 + (k + 1) * m.cpu_sub < m.gpu_end - (k + 1) * m.gpu_sub:
+            k += 1
+        if k:
+            return k
+        while self.swing + k > 0 and m.gpu_end + (1 - k) * m.gpu_sub < m.cpu_end + k * m.cpu_sub:
+            k -= 1
+        return k
 
 
 def lane_times(cpu_spans: list[tuple[float, float]], gpu_end: float, streamed: int,
