@@ -43,6 +43,8 @@ def test_methods_ran_with_same_math(tiny_bench):
         assert m.iter_s > 0 and m.step_s > 0 and m.fwd_s > 0 and m.bwd_s > 0 and m.update_gelem_s > 0
         assert m.iter.n == 3
     assert d.timeline and {s.lane for s in d.timeline} >= {"cpu", "gpu"}
+    # where the step's host time went, for reading a step longer than its lanes
+    assert "step host time, median ms: before lanes " in d.description and "after lanes" in d.description
 
 
 def test_engines_are_freed_between_methods(tiny_bench):

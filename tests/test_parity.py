@@ -305,6 +305,42 @@ def test_every_parameter_is_released_after_a_step_and_a_skipped_step(early_norm)
         engine.destroy()
 
 
+def test_step_phases_time_the_steps_parts_and_leave_out_skipped_steps():
+    import time
+
+    from dostune.models.registry import loss_of
+    from parity_helpers import SEQ
+
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap-resident"],
+                               zero_overrides={"stage3_param_persistence_threshold": 0})
+    opt = engine.optimizer
+    assert opt._dos.early_norm and opt.dostune_step_phases == {}
+    release = opt._partition_all_parameters
+
+    def slow_release():  # the release runs beside the lanes (early_norm): its time is queue_and_host_work's
+        time.sleep(0.05)
+        release()
+    gen = torch.Generator().manual_seed(1)
+    try:
+        walls = []
+        for scale in (1.0, float("inf"), 1.0):
+            engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))) * scale)
+            opt._partition_all_parameters = slow_release
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+            opt._partition_all_parameters = release
+        assert engine.skipped_steps == 1 and len(opt._dos.step_phases) == 2  # the skipped step is not a row
+        for row, wall in zip(opt._dos.step_phases, (walls[0], walls[2])):
+            assert set(row) == {"before_lanes", "queue_and_host_work", "wait_for_lanes", "after_lanes"}
+            assert min(row.values()) >= 0 and row["queue_and_host_work"] >= 0.05
+            assert sum(row.values()) <= wall
+        phases = opt.dostune_step_phases
+        assert phases["queue_and_host_work"] >= 50.0 and set(phases) == set(opt._dos.step_phases[0])
+    finally:
+        engine.destroy()
+
+
 @pytest.mark.slow
 def test_gil_switch_interval_is_short_only_while_the_cpu_lane_works():
     import sys

@@ -204,6 +204,10 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
             if sw["steps_by_swing"]:
                 description += (f"; adaptive_swing: steps by GPU-lane subgroups moved to the CPU lane "
                                 f"{sw['steps_by_swing']}, {sw['swing']} at the end")
+            ph = engine.optimizer.dostune_step_phases
+            if ph:
+                description += ("; step host time, median ms: " +
+                                ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in ph.items()))
     finally:
         engine.destroy()
     return MethodResult(method=name, description=description, iter_s=m["iter"].median, fwd_s=m["fwd"].median,

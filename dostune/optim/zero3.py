@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -63,6 +64,8 @@ from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping
 from .pinned import PinRegistry
 from .queues import Queues
 from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan, swing_candidates
+
+PHASE_WINDOW = 64  # steps whose host-time phases dostune_step_phases reports
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,10 @@ class _State:
     own_prefetch_event: bool = True  # likewise: off = a prefetched subgroup's update waits for all h2d copies queued
     always_partial_norm: bool = False  # likewise: on = the running norm also where it cannot stop speculation
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
+    # Host time of each step's parts (see dostune_step_phases): the marks of the step in progress, then a window of
+    # finished steps. Why: on a slow H100 host the step took 170 ms while its lanes ended ~107 ms after they started.
+    step_marks: dict = field(default_factory=dict)
+    step_phases: list = field(default_factory=list)
     # resident_subgroups: their fp32 params and Adam states on the GPU (kept for the run); which of them match the
     # host copies DeepSpeed holds (else uploaded before the next update), and which host copies are behind.
     resident: dict[int, Buffers] = field(default_factory=dict)
@@ -377,6 +384,17 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._dos.gpu_bwd is not None:
             out.update({f"gpu_{k}": v for k, v in self._dos.gpu_bwd.stats.items()})
         return out
+
+    @property
+    def dostune_step_phases(self) -> dict:
+        """Median host milliseconds of the last steps' parts: ``before_lanes`` (DeepSpeed's prologue, overflow
+        check and global norm), ``queue_and_host_work`` (queueing the GPU lane, handing the CPU lane its factor,
+        and the parameter release that runs beside the lanes), ``wait_for_lanes`` (until both lanes are done and the partitions
+        unflattened), ``after_lanes`` (the swing's decision, DeepSpeed's epilogue); empty before the first step."""
+        rows = self._dos.step_phases
+        if not rows:
+            return {}
+        return {k: round(1e3 * statistics.median(r[k] for r in rows), 1) for k in rows[0]}
 
     @property
     def dostune_swing_stats(self) -> dict:
@@ -871,6 +889,21 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._dos.beta_step = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
+        self._dostune_close_phases(t0)
+
+    def _dostune_close_phases(self, t_update: float) -> None:
+        """File this step's host-time marks as phases (seconds), keeping the last ``PHASE_WINDOW`` steps."""
+        dos = self._dos
+        m, t_end = dos.step_marks, time.perf_counter()
+        t_start = dos.step_t0[1]
+        dos.step_phases.append({
+            "before_lanes": t_update - t_start,
+            "queue_and_host_work": m.get("queued", t_update) - t_update,
+            "wait_for_lanes": m.get("joined", t_end) - m.get("queued", t_update),
+            "after_lanes": t_end - m.get("joined", t_end),
+        })
+        del dos.step_phases[:-PHASE_WINDOW]
+        dos.step_marks = {}
 
     def _dostune_sync_beta_powers(self) -> None:
         """Make a resumed run's Adam constants bit-equal to an uninterrupted run's.
@@ -938,6 +971,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.overlap.submit(inv32, self._dostune_may_commit(inv32))
         if host_work is not None:
             host_work()
+        dos.step_marks["queued"] = time.perf_counter()
         if dos.overlap is not None:
             self._dostune_finish_overlap(inv32, trace)
         else:
@@ -951,6 +985,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for i in range(len(self.fp16_groups)):
             self._unflatten_partitioned_parameters(i)
         q.join()
+        dos.step_marks["joined"] = time.perf_counter()
         dos.device_grads.clear()
         dos.grad_home.clear()
         dos.reset_slots()  # safe: the lanes' streams are drained and the default stream waits on them
