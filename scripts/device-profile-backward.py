@@ -8,6 +8,7 @@ private settings on every other iteration of each engine and reports both halves
 engines built one after another); its key "!march" instead swaps in the CPU lane's kernel built with -march=VALUE
 (e.g. haswell: no 512-bit instructions) for -march=native. BLOCK=K alternates in blocks of K iterations instead
 and times the last K-1 of each (the first lets adaptive_swing, which learns from the previous step, adapt).
+ITERS=N times N iterations (each way with ALT) instead of 8.
 With PROFILE=1 the first run's last iteration is recorded with torch.profiler and its top host-side CUDA calls and
 GPU operations are printed. Each run also reports the time Python's garbage collector
 took per phase (median ms per iteration); GCFREEZE=1 calls gc.freeze() once the engine is built, so the collector
@@ -24,7 +25,7 @@ import torch
 from dostune.models.registry import loss_of, resolve_model
 from dostune.train.engine import build_engine
 
-ITERS, WARMUP = 8, 3
+ITERS, WARMUP = int(os.environ.get("ITERS", "8")), 3
 
 
 class GcClock:

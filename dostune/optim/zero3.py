@@ -387,10 +387,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     @property
     def dostune_step_phases(self) -> dict:
-        """Median host milliseconds of the last steps' parts: ``before_lanes`` (DeepSpeed's prologue, overflow
-        check and global norm), ``queue_and_host_work`` (queueing the GPU lane, handing the CPU lane its factor,
-        and the parameter release that runs beside the lanes), ``wait_for_lanes`` (until both lanes are done and the partitions
-        unflattened), ``after_lanes`` (the swing's decision, DeepSpeed's epilogue); empty before the first step."""
+        """Median host milliseconds of the last ``PHASE_WINDOW`` steps' parts (skipped steps not counted):
+        ``before_lanes`` (DeepSpeed's prologue, overflow check and global norm), ``queue_and_host_work`` (queueing
+        the GPU lane, handing the CPU lane its factor, and the parameter release that runs beside the lanes),
+        ``wait_for_lanes`` (until both lanes are done and the partitions unflattened), ``after_lanes`` (the
+        swing's decision, DeepSpeed's epilogue); empty before the first step."""
         rows = self._dos.step_phases
         if not rows:
             return {}
