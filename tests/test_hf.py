@@ -161,8 +161,17 @@ def test_hf_model_spec_builds_from_a_config_file():
     loss = loss_of(model(**batch))
     assert loss.dim() == 0 and 5.0 < float(loss.detach()) < 8.0  # about ln(512) from random weights
     assert spec.max_seq == 128 and spec.config["hf_config"]["model_type"] == "llama"
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) > 100_000
     with pytest.raises(DostuneError, match="config file not found"):
         resolve_model("hf:tests/data/no-such-model.json")
+
+
+def test_hf_model_spec_refuses_a_config_transformers_cannot_read(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "no-such-architecture", "vocab_size": 10}))
+    with pytest.raises(DostuneError, match="not a Hugging Face model config") as e:
+        resolve_model(f"hf:{bad}")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
