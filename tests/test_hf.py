@@ -33,9 +33,11 @@ TINY = REPO / "tests" / "data" / "tiny-llama.json"
 @pytest.fixture(autouse=True)
 def _forget_hf_deepspeed_state():
     # TrainingArguments(deepspeed=...) registers its config globally (later models would be built under zero.Init),
-    # and an Accelerator with DeepSpeed sets ACCELERATE_USE_DEEPSPEED for good (later TrainingArguments would use it)
-    had = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    # and an Accelerator with DeepSpeed sets ACCELERATE_USE_DEEPSPEED for good (later TrainingArguments would use it);
+    # Accelerate may also set torch's thread count
+    had, threads = os.environ.get("ACCELERATE_USE_DEEPSPEED"), torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
@@ -149,7 +151,7 @@ def test_the_callback_needs_a_deepspeed_trainer(tmp_path):
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY)))
     with pytest.raises(ConfigError, match="does not run DeepSpeed"):
-        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none"),
                 callbacks=[dostune.HFTrainerCallback()])
 
 
