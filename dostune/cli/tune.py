@@ -87,6 +87,12 @@ def tune(
     precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
     lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
     clip: float = typer.Option(1.0, min=0.0, help="Gradient clipping written into the emitted config (0: off)."),
+    target: str = typer.Option("deepspeed", "--for", help="Who reads ds_config.json: 'deepspeed' (deepspeed.initialize, "
+                               "dostune train; every value concrete), 'trainer' (the Hugging Face Trainer: \"auto\" for "
+                               "batch sizes, gradient accumulation and clipping, the optimizer's lr/betas/eps/weight "
+                               "decay and bf16/fp16, which it fills from TrainingArguments) or 'accelerate' (your own "
+                               "loop under Accelerate: \"auto\" for batch sizes, gradient accumulation, lr, weight decay "
+                               "and bf16/fp16). The ZeRO-3 offload settings and the 'dostune' section are the same."),
     output_dir: Optional[Path] = typer.Option(None, help="Where ds_config.json, tune.json, the timeline PNG and "
                                               "the study go. Default: runs/tune/MODEL."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///OUTPUT_DIR/study.db."),
@@ -103,13 +109,15 @@ def tune(
     whether gradients stay on the GPU, under the GPU memory budget. Writes ds_config.json (ZeRO-3, optimizer
     offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize accepts and
     `dostune train` / `dostune.initialize` run with.
+    With --for trainer or --for accelerate the same config carries "auto" where the Hugging Face Trainer or
+    Accelerate fill values in (docs/hf.md).
 
     Example: dostune tune --profile profiles/h100-pcie5.json --model gpt2-1.3b --trials 50
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget, max_peak_increase=max_peak_increase,
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
-                       storage=storage, study_name=study_name)
+                       storage=storage, study_name=study_name, target=target)
     with RichProgress() as progress:
         res, ds_config, space = run_tune(opts, progress)
         if validate:

@@ -111,8 +111,15 @@ def _hf_spec(path: str) -> ModelSpec:
     cfg_path = Path(path)
     if not cfg_path.exists():
         raise DostuneError(f"--model hf:{path}: config file not found")
-    config = transformers.AutoConfig.from_pretrained(str(cfg_path))
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(cfg_path))
+    except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type
+        raise DostuneError(f"--model hf:{path}: not a Hugging Face model config ({str(e).splitlines()[0]})",
+                           hint="a config.json with a model_type transformers knows, e.g. tests/data/tiny-llama.json"
+                           ) from None
     vocab = config.vocab_size
+    with torch.device("meta"):  # the parameter count, without memory or initialisation
+        num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
 
     class _Wrap(nn.Module):
         def __init__(self):
@@ -125,7 +132,7 @@ def _hf_spec(path: str) -> ModelSpec:
     def batch(micro_batch, seq, generator, device):
         return synthetic_batch(micro_batch, seq, vocab, generator, device)
 
-    return ModelSpec(name=f"hf:{path}", build=_Wrap, batch=batch,
+    return ModelSpec(name=f"hf:{path}", build=_Wrap, batch=batch, num_params=num_params,
                      max_seq=getattr(config, "max_position_embeddings", None),
                      config={"hf_config": json.loads(config.to_json_string())})
 

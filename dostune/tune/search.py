@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from .._version import __version__
-from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..dsconfig import OffloadSettings, Target, TrainSettings, check_target, deepspeed_config, hf_config
 from ..errors import DostuneError, ProfileError
 from ..invocation import invocation
 from ..models.registry import resolve_model
@@ -47,6 +47,7 @@ class TuneOptions:
     study_name: Optional[str] = None
     lr: float = 1e-4
     clip: float = 1.0
+    target: Target = "deepspeed"  # who reads the emitted config (dsconfig.hf_config)
     notes: list[str] = field(default_factory=list)
 
 
@@ -234,18 +235,21 @@ def ranked(space: Space, study) -> list[TrialRecord]:
     return out
 
 
-def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float) -> dict:
+def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float,
+                target: Target = "deepspeed") -> dict:
     from ..optim.schedule import ScheduleConfig
 
     sched = ScheduleConfig.model_validate(rec.schedule)
     train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip)
-    return deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched))
+    return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched)),
+                     target)
 
 
 def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
     progress = progress or NullProgress()
     if opts.trials < 1:
         raise DostuneError(f"--trials must be at least 1, got {opts.trials}")
+    check_target(opts.target)  # before the search, not after it
     space, node_p, node_path, model_p, model_path, m = build_space(opts)
     micro_batch = opts.micro_batch or (model_p.micro_batch if model_p else 8)
     if model_p is not None and micro_batch != model_p.micro_batch:
@@ -280,4 +284,4 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, notes=list(opts.notes))
-    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip), space
+    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target), space
