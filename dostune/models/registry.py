@@ -4,10 +4,14 @@ A model spec couples a module builder with a batch factory. Presets are decoder 
 weights; a user factory is a callable returning ``(model, batch_fn)`` where ``model(**batch)`` returns a
 scalar loss (or an object with ``.loss``) and ``batch_fn(micro_batch, seq, generator, device)`` returns
 the keyword arguments of one micro-batch.
+
+Activation checkpointing is switched on the built module through ``gradient_checkpointing_enable`` for every
+kind: presets and ``hf:`` models have it; a factory's module must offer it (Hugging Face's signature, or none).
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,18 +55,48 @@ class ModelSpec:
     """What dostune needs to build and feed a model."""
 
     name: str
-    build: Callable[[], nn.Module]
+    make: Callable[[], nn.Module]  # the module with random weights, activations kept
     batch: BatchFn
     num_params: Optional[int] = None  # analytic count, when known without building
     max_seq: Optional[int] = None
     config: dict = field(default_factory=dict)
+
+    def build(self, checkpointing: bool = False) -> nn.Module:
+        """The model; with ``checkpointing`` each transformer block's activations are recomputed in backward
+        instead of kept (activation checkpointing)."""
+        model = self.make()
+        if checkpointing:
+            enable_checkpointing(model, self.name)
+        return model
+
+
+# Non-reentrant: the recompute runs inside the same backward graph task, where ZeRO-3's module hooks gather the
+# block's parameters again; it also needs no input that requires grad.
+CHECKPOINT_KWARGS = {"use_reentrant": False}
+
+
+def enable_checkpointing(model: nn.Module, name: str) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise DostuneError(f"--model {name}: activation checkpointing needs the model to offer "
+                           "gradient_checkpointing_enable(), and it does not",
+                           hint="add one that wraps each block in torch.utils.checkpoint.checkpoint(..., "
+                                "use_reentrant=False), or run without activation checkpointing")
+    try:
+        takes_kwargs = "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it plainly
+        takes_kwargs = False
+    if takes_kwargs:
+        enable(gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
+    else:
+        enable()
 
 
 def _preset_spec(name: str, cfg: DecoderConfig) -> ModelSpec:
     def batch(micro_batch: int, seq: int, generator: torch.Generator, device) -> dict:
         return synthetic_batch(micro_batch, seq, cfg.vocab, generator, device)
 
-    return ModelSpec(name=name, build=lambda: DecoderLM(cfg), batch=batch, num_params=count_parameters(cfg),
+    return ModelSpec(name=name, make=lambda: DecoderLM(cfg), batch=batch, num_params=count_parameters(cfg),
                      max_seq=cfg.max_positions, config={"preset": name, **cfg.as_dict()})
 
 
@@ -99,7 +133,7 @@ def _factory_spec(spec: str) -> ModelSpec:
             raise DostuneError(f"--model {spec!r}: build the model before asking for batches")
         return cache["batch"](micro_batch, seq, generator, device)
 
-    return ModelSpec(name=spec, build=build, batch=batch, config={"factory": spec})
+    return ModelSpec(name=spec, make=build, batch=batch, config={"factory": spec})
 
 
 def _hf_spec(path: str) -> ModelSpec:
@@ -129,10 +163,17 @@ def _hf_spec(path: str) -> ModelSpec:
         def forward(self, input_ids, labels):
             return self.inner(input_ids=input_ids, labels=labels).loss
 
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            if not self.inner.supports_gradient_checkpointing:
+                raise DostuneError(f"--model hf:{path}: {type(self.inner).__name__} does not support activation "
+                                   "checkpointing (transformers' supports_gradient_checkpointing is False)",
+                                   hint="run without activation checkpointing")
+            self.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
     def batch(micro_batch, seq, generator, device):
         return synthetic_batch(micro_batch, seq, vocab, generator, device)
 
-    return ModelSpec(name=f"hf:{path}", build=_Wrap, batch=batch, num_params=num_params,
+    return ModelSpec(name=f"hf:{path}", make=_Wrap, batch=batch, num_params=num_params,
                      max_seq=getattr(config, "max_position_embeddings", None),
                      config={"hf_config": json.loads(config.to_json_string())})
 
