@@ -2,6 +2,11 @@
 
 One builder serves the tuner (emitted ``ds_config.json``), the trainer, the benchmark's baselines and the
 tests, so every method compared by ``dostune bench`` differs only where it is meant to.
+
+Activation checkpointing is carried by DeepSpeed's standard top-level ``activation_checkpointing`` section:
+when it is present, dostune's model builder checkpoints every transformer block. DeepSpeed's engine itself
+never reads that section (only its ``deepspeed.checkpointing`` API does, which the models here do not call),
+so its contents only have to stay valid for DeepSpeed.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ class TrainSettings:
     clip: float = 1.0
     warmup_steps: int = 0
     initial_loss_scale_power: int = 16  # fp16 only
+    activation_checkpointing: bool = False  # recompute each transformer block's activations in backward
 
     def validate(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
@@ -58,6 +64,30 @@ class OffloadSettings:
     cpu_threads: Optional[int] = None
     schedule: Optional[ScheduleConfig] = None
     extra_zero: dict = field(default_factory=dict)
+
+
+CHECKPOINTING_SECTION = "activation_checkpointing"
+# DeepSpeed's own keys at values that leave its deepspeed.checkpointing API (were a model to call it) as plain as
+# torch.utils.checkpoint: nothing partitioned across ranks, no contiguous buffers, nothing moved to the CPU.
+CHECKPOINTING_CONTENTS = {"partition_activations": False, "contiguous_memory_optimization": False,
+                          "cpu_checkpointing": False}
+
+
+def activation_checkpointing(ds_config: dict) -> bool:
+    """Whether a run with this DeepSpeed config checkpoints every transformer block: the one place that reads
+    the switch."""
+    section = ds_config.get(CHECKPOINTING_SECTION)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f"the DeepSpeed config's '{CHECKPOINTING_SECTION}' section must be an object, got "
+                          f"{type(section).__name__}")
+    return section is not None
+
+
+def with_activation_checkpointing(ds_config: dict) -> dict:
+    """A copy of ``ds_config`` that checkpoints every block (a section it already has is kept as it is)."""
+    out = copy.deepcopy(ds_config)
+    out.setdefault(CHECKPOINTING_SECTION, dict(CHECKPOINTING_CONTENTS))
+    return out
 
 
 def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
@@ -106,6 +136,8 @@ def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
     if train.warmup_steps:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
                                                            "warmup_num_steps": train.warmup_steps}}
+    if train.activation_checkpointing:
+        cfg[CHECKPOINTING_SECTION] = dict(CHECKPOINTING_CONTENTS)
     if offload.schedule is not None:
         if offload.ratio != 1.0:
             raise ConfigError("a dostune schedule needs the whole optimizer state offloaded (ratio 1.0)")
