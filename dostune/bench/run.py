@@ -74,6 +74,7 @@ class BenchOptions:
     node: Optional[str] = None
     train: TrainSettings = field(default_factory=TrainSettings)
     variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
+    activation_checkpointing: bool = False  # every method's model recomputes each block's activations in backward
 
     def resolved_methods(self) -> list[str]:
         methods = self.methods or (GPU_DEFAULT if cuda_available() else CPU_DEFAULT)
@@ -254,7 +255,8 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
-    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip)
+    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
+                         activation_checkpointing=opts.activation_checkpointing)
     methods = opts.resolved_methods()
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     twin_ratio = None
