@@ -48,6 +48,7 @@ class TuneOptions:
     lr: float = 1e-4
     clip: float = 1.0
     target: Target = "deepspeed"  # who reads the emitted config (dsconfig.hf_config)
+    activation_checkpointing: bool = False  # the emitted config carries DeepSpeed's activation_checkpointing section
     notes: list[str] = field(default_factory=list)
 
 
@@ -236,11 +237,12 @@ def ranked(space: Space, study) -> list[TrialRecord]:
 
 
 def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float,
-                target: Target = "deepspeed") -> dict:
+                target: Target = "deepspeed", activation_checkpointing: bool = False) -> dict:
     from ..optim.schedule import ScheduleConfig
 
     sched = ScheduleConfig.model_validate(rec.schedule)
-    train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip)
+    train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip,
+                          activation_checkpointing=activation_checkpointing)
     return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched)),
                      target)
 
@@ -256,6 +258,10 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         raise DostuneError(f"--micro-batch {micro_batch} differs from the model profile's {model_p.micro_batch}: "
                            "its forward/backward times and memory would not apply", hint="profile that batch size")
     precision = opts.precision or (model_p.precision if model_p else "bf16")
+    if opts.activation_checkpointing:
+        opts.notes.append("the emitted config checkpoints every block: the predicted times and memory hold if the "
+                          "model profile was measured that way too (dostune profile --model ... "
+                          "--activation-checkpointing)")
     out_dir = Path(opts.output_dir or Path("runs") / "tune" / opts.model)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
@@ -284,4 +290,5 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, notes=list(opts.notes))
-    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target), space
+    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
+                               opts.activation_checkpointing), space
