@@ -12,6 +12,7 @@ from rich.table import Table
 from ..bench.record import BenchResult
 from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
 from ..bench.run import METHODS, BenchOptions, Variant, is_dostune, run_bench
+from ..dsconfig import activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..profile.record import read_json_record, save_record, atomic_write_text
@@ -102,6 +103,9 @@ def bench(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
     seed: int = typer.Option(0, help="Seed for weights and batches (the same for every method)."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Every method's model "
+                                                  "checkpoints each transformer block (recomputes its activations "
+                                                  "in backward). On too when a --config has the section."),
     json_out: bool = typer.Option(False, "--json", help="Print the result JSON on stdout."),
 ):
     """Train one model under each offload method and compare them.
@@ -121,7 +125,9 @@ def bench(
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
                         dostune_sub_group_size=dostune_sub_group_size or sgs, node=node, variants=variants,
-                        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
+                        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+                        activation_checkpointing=activation_checkpointing
+                        or any(config_checkpoints(read_json_record(c, "DeepSpeed config")) for c in configs))
     opts.resolved_methods()  # fail on bad names before any work
     with RichProgress() as progress:
         res = run_bench(opts, progress)

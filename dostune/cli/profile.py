@@ -58,6 +58,9 @@ def profile(
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="With --model: "
+                                                  "checkpoint every transformer block (recompute its activations "
+                                                  "in backward), as a run whose config has the section would."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
     schema: bool = typer.Option(False, "--schema", help="Print the profile's JSON schema and exit."),
@@ -86,7 +89,8 @@ def profile(
     if output is not None and output.exists() and not force:
         raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
     if model is not None:
-        _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out)
+        _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
+                       activation_checkpointing)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -120,11 +124,13 @@ def render_model_profile(p) -> Table:
     return t
 
 
-def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out):
+def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
+                   activation_checkpointing=False):
     from ..profile.model import ModelProfileOptions, default_model_profile_name, measure_model, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
-                               sub_group_size=sub_group_size, iters=iters, node=node)
+                               sub_group_size=sub_group_size, iters=iters, node=node,
+                               activation_checkpointing=activation_checkpointing)
     with RichProgress() as progress:
         prof = measure_model(opts, progress)
     path = output or Path("runs/profiles") / default_model_profile_name(node or prof.node.replace(" ", "-").lower(),

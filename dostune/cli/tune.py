@@ -100,6 +100,9 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
                                  "report measured against predicted."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="The emitted config "
+                                                  "checkpoints every transformer block (DeepSpeed's "
+                                                  "activation_checkpointing section); profile the model with it too."),
     json_out: bool = typer.Option(False, "--json", help="Print the tuning result as JSON on stdout."),
 ):
     """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
@@ -117,13 +120,15 @@ def tune(
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget, max_peak_increase=max_peak_increase,
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
-                       storage=storage, study_name=study_name, target=target)
+                       storage=storage, study_name=study_name, target=target,
+                       activation_checkpointing=activation_checkpointing)
     with RichProgress() as progress:
         res, ds_config, space = run_tune(opts, progress)
         if validate:
             from ..tune.validate import validate as run_validation
 
-            res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress)
+            res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
+                                            activation_checkpointing=activation_checkpointing)
     out = Path(opts.output_dir or Path("runs") / "tune" / model)
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")
