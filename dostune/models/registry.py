@@ -5,8 +5,9 @@ weights; a user factory is a callable returning ``(model, batch_fn)`` where ``mo
 scalar loss (or an object with ``.loss``) and ``batch_fn(micro_batch, seq, generator, device)`` returns
 the keyword arguments of one micro-batch.
 
-Activation checkpointing is switched on the built module through ``gradient_checkpointing_enable`` for every
-kind: presets and ``hf:`` models have it; a factory's module must offer it (Hugging Face's signature, or none).
+Activation checkpointing is switched on the built module the way Hugging Face models switch it, for every kind:
+``activation_checkpointing_enable`` (transformers 5.2x's name) or ``gradient_checkpointing_enable`` (its older,
+deprecated one). Presets and ``hf:`` models have it; a factory's module must offer one of them.
 """
 from __future__ import annotations
 
@@ -73,21 +74,27 @@ class ModelSpec:
 # Non-reentrant: the recompute runs inside the same backward graph task, where ZeRO-3's module hooks gather the
 # block's parameters again; it also needs no input that requires grad.
 CHECKPOINT_KWARGS = {"use_reentrant": False}
+# (method, name of its torch.utils.checkpoint keyword arguments), the current name first
+ENABLERS = (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+            ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"))
 
 
 def enable_checkpointing(model: nn.Module, name: str) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if not callable(enable):
+    """Switch on the model's own per-block checkpointing, non-reentrant where it takes checkpoint's arguments."""
+    found = [(getattr(model, m), kw) for m, kw in ENABLERS if callable(getattr(model, m, None))]
+    if not found:
         raise DostuneError(f"--model {name}: activation checkpointing needs the model to offer "
-                           "gradient_checkpointing_enable(), and it does not",
+                           "gradient_checkpointing_enable() or activation_checkpointing_enable(), and it offers "
+                           "neither",
                            hint="add one that wraps each block in torch.utils.checkpoint.checkpoint(..., "
                                 "use_reentrant=False), or run without activation checkpointing")
+    enable, kw = found[0]
     try:
-        takes_kwargs = "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters
+        takes_kwargs = kw in inspect.signature(enable).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): call it plainly
         takes_kwargs = False
     if takes_kwargs:
-        enable(gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
+        enable(**{kw: dict(CHECKPOINT_KWARGS)})
     else:
         enable()
 
@@ -163,12 +170,12 @@ def _hf_spec(path: str) -> ModelSpec:
         def forward(self, input_ids, labels):
             return self.inner(input_ids=input_ids, labels=labels).loss
 
-        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        def gradient_checkpointing_enable(self):
             if not self.inner.supports_gradient_checkpointing:
                 raise DostuneError(f"--model hf:{path}: {type(self.inner).__name__} does not support activation "
                                    "checkpointing (transformers' supports_gradient_checkpointing is False)",
                                    hint="run without activation checkpointing")
-            self.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            enable_checkpointing(self.inner, f"hf:{path}")
 
     def batch(micro_batch, seq, generator, device):
         return synthetic_batch(micro_batch, seq, vocab, generator, device)
