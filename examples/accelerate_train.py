@@ -1,6 +1,6 @@
 """Your own training loop under Accelerate with dostune's interleaved optimizer (needs `pip install dostune[hf]`).
 
-    dostune tune --model llama-1.1b --for accelerate --output-dir runs/tune/llama-1.1b
+    dostune tune --model hf:examples/llama-1.1b.json --model-profile <its profile> --for accelerate --output-dir runs/tune/llama-1.1b
     accelerate launch --config_file examples/accelerate_config.yaml --mixed_precision bf16 \\
         examples/accelerate_train.py --steps 50
 
@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator; read when deepspeed is imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer import TINY_MODEL, SyntheticTokens, llama_1b_config, weights_digest  # noqa: E402  (beside this file)
+from hf_trainer import LLAMA_1B, TINY_MODEL, SyntheticTokens, weights_digest  # noqa: E402  (beside this file)
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny LLaMA, 3 steps of sequence 32")
-    ap.add_argument("--model-config", help="Hugging Face config.json of the model (default: LLaMA-1.1B's shape)")
+    ap.add_argument("--model-config", help="Hugging Face config.json of the model (default: examples/llama-1.1b.json)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3 with --tiny, else 50)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 32 with --tiny, else 1024)")
     ap.add_argument("--micro-batch", type=int, default=None, help="per-device batch (default 2 with --tiny, else 8)")
@@ -50,8 +50,7 @@ def main(argv=None) -> int:
     micro_batch = a.micro_batch or (2 if a.tiny else 8)
 
     accelerator = Accelerator()  # DeepSpeed, its config and the precision come from `accelerate launch`
-    config = AutoConfig.from_pretrained(a.model_config or str(TINY_MODEL)) if (a.model_config or a.tiny) \
-        else llama_1b_config()
+    config = AutoConfig.from_pretrained(str(a.model_config or (TINY_MODEL if a.tiny else LLAMA_1B)))
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_config(config)  # partitioned as it is built (zero3_init_flag)
     data = torch.utils.data.DataLoader(SyntheticTokens(config.vocab_size, seq), batch_size=micro_batch)

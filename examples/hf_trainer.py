@@ -1,6 +1,8 @@
 """Train with the Hugging Face Trainer and dostune's interleaved optimizer (needs `pip install dostune[hf]`).
 
-    dostune tune --model llama-1.1b --for trainer --output-dir runs/tune/llama-1.1b
+    dostune profile --model hf:examples/llama-1.1b.json --output runs/model-llama-1.1b.json
+    dostune tune --model hf:examples/llama-1.1b.json --model-profile runs/model-llama-1.1b.json --for trainer \
+        --output-dir runs/tune/llama-1.1b
     python examples/hf_trainer.py --deepspeed runs/tune/llama-1.1b/ds_config.json --bf16 --steps 50
     python examples/hf_trainer.py --deepspeed runs/tune/llama-1.1b/ds_config.json --bf16 --plain-deepspeed
     python examples/hf_trainer.py --tiny          # a few steps of a tiny LLaMA, on the CPU if there is no GPU
@@ -9,7 +11,10 @@ The Trainer builds the DeepSpeed engine from the config file as usual (it fills 
 TrainingArguments); dostune.HFTrainerCallback checks the config when the Trainer is built and switches the engine's
 ZeRO-3 optimizer to the schedule in the config's `dostune` section when training begins. --plain-deepspeed runs
 the same config without that section (DeepSpeed's own ZeRO-Offload), for comparison. The model is built from a
-config with random weights: a LLaMA-1.1B shape by default, or --model-config (a Hugging Face config.json).
+config with random weights: a LLaMA-1.1B shape by default (examples/llama-1.1b.json), or --model-config (a Hugging
+Face config.json). Tune for the same config (`--model hf:...`): DeepSpeed splits the optimizer state into subgroups
+in the order of the model's parameters, so a schedule tuned for another implementation of the same shape (e.g. the
+llama-1.1b preset, whose attention projections are fused) has a different number of subgroups and is refused.
 Under several GPUs, start it with `deepspeed --num_gpus N examples/hf_trainer.py ...` or `torchrun`.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator; read when deepspeed is imported
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny-llama.json"
+LLAMA_1B = Path(__file__).resolve().parent / "llama-1.1b.json"  # the llama-1.1b preset's shape as a HF config
 # The tiny run's schedule: every other subgroup in the GPU lane (without a GPU that lane runs on the CPU device
 # through the same buffers and hand-offs); trace records each step's per-subgroup lane timings.
 TINY_SCHEDULE = {"gpu_fraction": 0.5, "gpu_placement": "spread", "trace": True}
@@ -40,17 +46,6 @@ def tiny_ds_config(schedule: dict | None = None) -> dict:
     offload = OffloadSettings(sub_group_size=20_000, pin_memory=torch.cuda.is_available(),
                               schedule=ScheduleConfig.model_validate(schedule or TINY_SCHEDULE))
     return hf_config(deepspeed_config(TrainSettings(), offload), "trainer")
-
-
-def llama_1b_config():
-    """LLaMA-1.1B's shape (dostune's llama-1.1b preset) as a transformers LlamaConfig."""
-    from transformers import LlamaConfig
-
-    from dostune.models.registry import PRESETS
-
-    p = PRESETS["llama-1.1b"]
-    return LlamaConfig(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.ffn, num_hidden_layers=p.layers,
-                       num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=p.max_positions)
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -115,8 +110,8 @@ def run(deepspeed: str | Path, output_dir: str | Path, model_config=None, steps:
                              learning_rate=lr, bf16=bf16, seed=seed, logging_steps=1, save_strategy="no",
                              report_to="none", disable_tqdm=not log, dataloader_pin_memory=torch.cuda.is_available())
     if model_config is None:
-        model_config = llama_1b_config()
-    elif not hasattr(model_config, "to_dict"):
+        model_config = LLAMA_1B
+    if not hasattr(model_config, "to_dict"):
         model_config = AutoConfig.from_pretrained(str(model_config))
     torch.manual_seed(seed)
     # built after TrainingArguments, so that under ZeRO-3 it is partitioned while it is built
@@ -144,7 +139,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--deepspeed", help="DeepSpeed config with a dostune section (`dostune tune --for trainer`)")
     ap.add_argument("--tiny", action="store_true", help="tiny LLaMA, 3 steps, fp32, its own config unless --deepspeed")
-    ap.add_argument("--model-config", help="Hugging Face config.json of the model (default: LLaMA-1.1B's shape)")
+    ap.add_argument("--model-config", help="Hugging Face config.json of the model (default: examples/llama-1.1b.json)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3 with --tiny, else 50)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 32 with --tiny, else 1024)")
     ap.add_argument("--micro-batch", type=int, default=None, help="per-device batch (default 2 with --tiny, else 8)")
