@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
+import time
 import json
 import os
 import sys
@@ -64,15 +66,24 @@ class SyntheticTokens(torch.utils.data.Dataset):
 
 class StepTraces:
     """A Trainer callback keeping each step's trace of the interleaved update: (lane, subgroup, start, end) of every
-    piece of lane work, timed from the step's start (recorded when the dostune section has "trace": true)."""
+    piece of lane work, timed from the step's start (recorded when the dostune section has "trace": true), and the
+    wall time between consecutive step ends (the steady-state step period, data loading and logging included)."""
 
     def __init__(self):
         self.steps: list[list[tuple]] = []
+        self.ends: list[float] = []
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.ends.append(time.perf_counter())
         trace = getattr(getattr(optimizer, "optimizer", optimizer), "dostune_last_trace", None)
-        if trace is not None:
+        if trace:
             self.steps.append([(s.lane, s.subgroup, s.start, s.end) for s in trace])
+
+    def step_period_s(self, skip: int = 3) -> float | None:
+        """Median seconds between step ends, leaving out the first ``skip`` steps (one-time work: the optimizer
+        state's first touch, allocator warm-up); None with too few steps."""
+        gaps = [b - a for a, b in zip(self.ends[skip:], self.ends[skip + 1:])]
+        return statistics.median(gaps) if gaps else None
 
     def __getattr__(self, name):  # the Trainer's other events
         if name.startswith("on_"):
@@ -126,6 +137,7 @@ def run(deepspeed: str | Path, output_dir: str | Path, model_config=None, steps:
     out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
            "train_samples_per_second": metrics.get("train_samples_per_second"), "optimizer": type(opt).__name__,
+           "step_period_s": traces.step_period_s(),
            "traces": traces.steps, "weights_sha256": weights_digest(engine)}
     engine.destroy()
     del trainer, engine, opt, model
@@ -172,7 +184,9 @@ def main(argv=None) -> int:
             lanes = [lane for lane, *_ in out["traces"][-1]]
             print(f"interleaved update traced in {len(out['traces'])} steps; the last: "
                   + ", ".join(f"{lanes.count(k)} {k}" for k in ("cpu", "h2d", "gpu", "d2h") if k in lanes))
-        print(f"train_samples_per_second: {out['train_samples_per_second']}")
+        print(f"train_samples_per_second: {out['train_samples_per_second']} (the Trainer's, over every step)")
+        if out["step_period_s"] is not None:
+            print(f"median step period after 3 steps: {out['step_period_s']:.3f} s")
         if a.json_out is not None:
             a.json_out.write_text(json.dumps(out))
     return 0
