@@ -1,18 +1,46 @@
 """The `dostune` command line: a thin layer over the library API."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from .._version import __version__
+from ..profile.identity import cuda_available
+
+# DeepSpeed prints "Setting accelerator to CPU. If you have GPU ..." at import on a machine without a GPU: name
+# the accelerator it would pick anyway, before any command imports it (DS_ACCELERATOR set by the user wins).
+if "DS_ACCELERATOR" not in os.environ and not cuda_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
 from . import bench as _bench
 from . import check as _check
 from . import profile as _profile
 from . import train as _train
 from . import tune as _tune
 
+class _FlagHelp:
+    """--help is a flag: typer 0.29 shows it with a '<bool>' value placeholder; show it without, like our flags."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_FlagHelp, TyperCommand):
+    pass
+
+
+class _Group(_FlagHelp, TyperGroup):
+    pass
+
+
 app = typer.Typer(
+    cls=_Group,
     name="dostune",
     help="Deep Optimizer States for DeepSpeed ZeRO-3: profile a node, tune the interleaved CPU+GPU "
          "optimizer schedule, train with it, and benchmark it against DeepSpeed's offload.",
@@ -35,20 +63,18 @@ ALLOC_CONF_DEFAULT = "expandable_segments:True"
 
 
 @app.callback()
-def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True, metavar="",
                                                  help="Print the version and exit.")):
     """Sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set already (it must be set
     before CUDA starts; `dostune.initialize` users set it themselves)."""
-    import os
-
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF_DEFAULT)
 
 
-app.command("profile")(_profile.profile)
-app.command("tune")(_tune.tune)
-app.command("train")(_train.train)
-app.command("bench")(_bench.bench)
-app.command("check")(_check.check)
+app.command("profile", cls=_Command)(_profile.profile)
+app.command("tune", cls=_Command)(_tune.tune)
+app.command("train", cls=_Command)(_train.train)
+app.command("bench", cls=_Command)(_bench.bench)
+app.command("check", cls=_Command)(_check.check)
 
 
 def main() -> None:

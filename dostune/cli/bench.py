@@ -15,7 +15,7 @@ from ..bench.run import METHODS, BenchOptions, Variant, is_dostune, run_bench
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..profile.record import read_json_record, save_record, atomic_write_text
-from .common import RichProgress, err_console, handle_errors, print_json
+from .common import RichProgress, err_console, flag, handle_errors, print_json
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -102,7 +102,7 @@ def bench(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
     seed: int = typer.Option(0, help="Seed for weights and batches (the same for every method)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the result JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the result JSON on stdout."),
 ):
     """Train one model under each offload method and compare them.
 

@@ -12,7 +12,7 @@ from ..bench.check import UnusableInput, compare, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
 from ..profile.record import atomic_write_text
-from .common import err_console, handle_errors, print_json
+from .common import err_console, flag, handle_errors, print_json
 
 
 def _fraction(text: str) -> float:
@@ -60,11 +60,11 @@ def check(
                                            "baseline's model, batch and methods (or --run)."),
     run: Optional[str] = typer.Option(None, help="Extra `dostune bench` arguments for the fresh run, quoted."),
     max_regression: str = typer.Option("5%", help="Allowed slowdown, e.g. 5% or 0.05."),
-    ratio_only: bool = typer.Option(False, help="Compare only dostune's speedup over ZeRO-Offload (measured within "
+    ratio_only: bool = flag(False, "--ratio-only", help="Compare only dostune's speedup over ZeRO-Offload (measured within "
                                     "each run), not absolute times: for a baseline from another machine."),
-    update_baseline: bool = typer.Option(False, help="Write the current result over the baseline (deliberately)."),
+    update_baseline: bool = flag(False, "--update-baseline", help="Write the current result over the baseline (deliberately)."),
     junit: Optional[Path] = typer.Option(None, help="Also write a JUnit XML report here."),
-    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the findings as JSON on stdout."),
 ):
     """Compare a fresh (or given) bench result with a baseline; exit 0 within tolerance, 1 on a regression,
     2 on unusable input.

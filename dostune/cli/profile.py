@@ -12,7 +12,7 @@ from ..errors import DostuneError
 from ..profile.node import NodeProfileOptions, measure_node
 from ..profile.record import node_profile_schema, save_record
 from ..profile.summary import summary_rows
-from .common import RichProgress, err_console, handle_errors, print_json
+from .common import RichProgress, err_console, flag, handle_errors, print_json
 
 
 def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int]]:
@@ -44,12 +44,12 @@ def profile(
     name: Optional[str] = typer.Option(None, help="Label for this node, e.g. h100-pcie5. Default: derived from the GPU."),
     repeats: int = typer.Option(5, min=1, help="Timed repeats per measurement; medians and min-max spread are kept."),
     device: int = typer.Option(0, min=0, help="CUDA device index to profile."),
-    quick: bool = typer.Option(False, help="Tiny sizes, 2 repeats: a smoke test in seconds, not a usable profile."),
+    quick: bool = flag(False, "--quick", help="Tiny sizes, 2 repeats: a smoke test in seconds, not a usable profile."),
     dtype: str = typer.Option("bf16", help="Half precision the model trains in: bf16 or fp16 (conversion cost)."),
     cpu_adam_threads: Optional[str] = typer.Option(None, help="Comma-separated OpenMP thread counts for CPU Adam. "
                                                    "Default: 1, cores/4, cores/2, 3*cores/4, cores."),
     copy_sizes_mib: Optional[str] = typer.Option(None, help="Comma-separated copy sizes in MiB. Default: 4,16,64,256,1024."),
-    no_contention: bool = typer.Option(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
+    no_contention: bool = flag(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
     model: Optional[str] = typer.Option(None, help="Profile this model instead of the node: a preset (e.g. "
                                         "gpt2-1.3b), hf:config.json, or package.module:factory."),
     micro_batch: int = typer.Option(8, min=1, help="With --model: micro-batch size."),
@@ -58,9 +58,9 @@ def profile(
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
-    json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
-    schema: bool = typer.Option(False, "--schema", help="Print the profile's JSON schema and exit."),
+    force: bool = flag(False, "--force", "-f", help="Overwrite an existing output file."),
+    json_out: bool = flag(False, "--json", help="Print the profile as JSON on stdout."),
+    schema: bool = flag(False, "--schema", help="Print the profile's JSON schema and exit."),
 ):
     """Measure this node and write a versioned JSON profile.
 

@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..train.loop import Interrupted, TrainOptions, train as run_train
-from .common import err_console, handle_errors, print_json
+from .common import err_console, flag, handle_errors, print_json
 
 
 @handle_errors
@@ -25,17 +25,17 @@ def train(
     seed: int = typer.Option(0, help="Seed for the weights and the batches."),
     save_dir: Optional[Path] = typer.Option(None, help="Checkpoint folder (DeepSpeed's format, one tag per save)."),
     save_every: int = typer.Option(0, min=0, help="Save every N steps (0: only at the end and on Ctrl-C)."),
-    resume: bool = typer.Option(False, help="Continue from the latest checkpoint in --save-dir, bit-exactly."),
+    resume: bool = flag(False, "--resume", help="Continue from the latest checkpoint in --save-dir, bit-exactly."),
     log_every: int = typer.Option(10, min=1, help="Print a line every N steps (the progress bar updates always)."),
     metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
                                            "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
-    plain_deepspeed: bool = typer.Option(False, help="Ignore the config's dostune section (DeepSpeed's own update)."),
-    deterministic: bool = typer.Option(False, help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
+    plain_deepspeed: bool = flag(False, "--plain-deepspeed", help="Ignore the config's dostune section (DeepSpeed's own update)."),
+    deterministic: bool = flag(False, "--deterministic", help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
                                        "kernels (flash attention's) accumulate in a varying order, so without "
                                        "this a resumed run drifts from an uninterrupted one in the last bits; "
                                        "with it the H100 reproduced 100 resumed steps of gpt2-1.3b bit for bit. "
                                        "On a CPU runs are exact anyway."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout at the end."),
+    json_out: bool = flag(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
 

@@ -12,7 +12,7 @@ from ..bench.report import plot_timeline
 from ..profile.record import atomic_write_text, save_record
 from ..tune.record import TuneResult
 from ..tune.search import SAMPLERS, TuneOptions, run_tune
-from .common import RichProgress, err_console, handle_errors, print_json
+from .common import RichProgress, err_console, flag, handle_errors, print_json
 
 
 def _f(x, fmt="{:.3f}"):
@@ -94,7 +94,7 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
                                  "report measured against predicted."),
-    json_out: bool = typer.Option(False, "--json", help="Print the tuning result as JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the tuning result as JSON on stdout."),
 ):
     """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
 
