@@ -125,3 +125,12 @@ class RichProgress:
     def advance(self, n: int = 1) -> None:
         if self._task is not None:
             self._progress.advance(self._task, n)
+
+
+def need_deepspeed(purpose: str) -> None:
+    """Refuse an untested DeepSpeed before any work (one line); show the note when the user overrode that."""
+    from ..deepspeed_support import check_deepspeed
+
+    note = check_deepspeed(purpose)
+    if note:
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

@@ -1,7 +1,7 @@
 """`dostune profile`: measure the node (and, with --model, a model on it)."""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -9,10 +9,11 @@ import typer
 from rich.table import Table
 
 from ..errors import DostuneError
-from ..profile.node import NodeProfileOptions, measure_node
-from ..profile.record import node_profile_schema, save_record
+from ..profile.identity import gpu_info
+from ..profile.node import NodeProfileOptions, default_name, measure_node
+from ..profile.record import check_writable, node_profile_schema, save_record
 from ..profile.summary import summary_rows
-from .common import RichProgress, err_console, flag, handle_errors, print_json
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json
 
 
 def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int]]:
@@ -83,8 +84,6 @@ def profile(
     if schema:
         print_json(node_profile_schema())
         return
-    if output is not None and output.exists() and not force:
-        raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
     if model is not None:
         _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out)
         return
@@ -94,11 +93,11 @@ def profile(
     opts.cpu_adam_threads = _parse_sizes(cpu_adam_threads, 1, "--cpu-adam-threads") or opts.cpu_adam_threads
     opts.copy_sizes_bytes = _parse_sizes(copy_sizes_mib, 1 << 20, "--copy-sizes-mib") or opts.copy_sizes_bytes
     opts.validate()
+    # Everything that can refuse the output refuses it now: measuring takes minutes on a GPU node.
+    path = _output_path(output, force, lambda: f"{opts.name or default_name(gpu_info(device))}.json")
+    need_deepspeed("dostune profile")
     with RichProgress() as progress:
         prof = measure_node(opts, progress)
-    path = output or Path("runs/profiles") / f"{prof.name}.json"
-    if output is None and path.exists() and not force:
-        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
     save_record(prof, path)
     err_console.print(render_profile(prof))
     for note in prof.notes:
@@ -106,6 +105,14 @@ def profile(
     err_console.print(f"profile written to [bold]{path}[/]")
     if json_out:
         print_json(prof)
+
+
+def _output_path(output: Optional[Path], force: bool, default_name) -> Path:
+    """The file the profile goes to, checked before any measuring: not there yet (or --force), and writable."""
+    path = output or Path("runs/profiles") / default_name()
+    if path.exists() and not path.is_dir() and not force:
+        raise DostuneError(f"{path} already exists", hint="pass --force to overwrite it or choose another --output")
+    return check_writable(path, "--output")
 
 
 def render_model_profile(p) -> Table:
@@ -121,16 +128,30 @@ def render_model_profile(p) -> Table:
 
 
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out):
-    from ..profile.model import ModelProfileOptions, default_model_profile_name, measure_model, plot_memory_timeline
+    from ..models.registry import resolve_model
+    from ..profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                sub_group_size=sub_group_size, iters=iters, node=node)
+    opts.validate()
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}")
+    spec = resolve_model(model)
+    if spec.max_seq is not None and seq > spec.max_seq:
+        raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions")
+
+    def default_name() -> str:
+        # the name `dostune tune` looks for beside the node profile (profile/model.py default_model_profile_name)
+        gpu = gpu_info(0)
+        label = (node or (gpu.name if gpu else f"cpu-{os.cpu_count()}c")).replace(" ", "-").lower()
+        return f"{label}-{model}-b{micro_batch}-s{seq}.json"
+
+    path = _output_path(output, force, default_name)
+    if plot is not None:
+        check_writable(plot, "--plot")
+    need_deepspeed("dostune profile --model")
     with RichProgress() as progress:
         prof = measure_model(opts, progress)
-    path = output or Path("runs/profiles") / default_model_profile_name(node or prof.node.replace(" ", "-").lower(),
-                                                                         prof)
-    if output is None and path.exists() and not force:
-        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
     save_record(prof, path)
     err_console.print(render_model_profile(prof))
     ready = [s.grad_ready_s for s in prof.subgroups if s.grad_ready_s is not None]
