@@ -98,18 +98,21 @@ def print_json(obj: Any) -> None:
 
 
 class RichProgress:
-    """ProgressSink backed by a rich progress display: one bar per measurement phase."""
+    """ProgressSink backed by a rich progress display: one bar per measurement phase. The display starts with the
+    first phase, so a command refused before any work prints its error alone."""
 
     def __init__(self, console: Console = err_console):
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                   MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
         self._task = None
+        self._live = False
 
     def __enter__(self):
-        self._progress.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if not self._live:
+            return False
         self._finish_current()
         return self._progress.__exit__(*exc)
 
@@ -119,6 +122,9 @@ class RichProgress:
             self._progress.update(self._task, completed=t.total)
 
     def start(self, description: str, total: int) -> None:
+        if not self._live:
+            self._progress.__enter__()
+            self._live = True
         self._finish_current()
         self._task = self._progress.add_task(description, total=max(total, 1))
 
