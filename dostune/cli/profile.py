@@ -78,7 +78,7 @@ def profile(
     file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.
 
     Examples:
-      dostune profile --name h100-pcie5 --output profiles/h100-pcie5.json
+      dostune profile --name mynode --output runs/profiles/mynode.json
       dostune profile --model gpt2-1.3b --micro-batch 8 --seq 1024 --plot memory.png
     """
     if schema:

@@ -108,7 +108,7 @@ def tune(
     offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize accepts and
     `dostune train` / `dostune.initialize` run with.
 
-    Example: dostune tune --profile profiles/h100-pcie5.json --model gpt2-1.3b --trials 50
+    Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget,
