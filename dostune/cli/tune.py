@@ -140,7 +140,7 @@ def tune(
                         f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
                         "subgroups on the GPU")
     for note in res.notes:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     err_console.print(render_trials(res))
     err_console.print(render_breakdown(res))
     if res.validation:
