@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import typer
+from typer import _click as click
 from typer.core import TyperCommand, TyperGroup
 
 from .._version import __version__
@@ -18,8 +20,10 @@ if "DS_ACCELERATOR" not in os.environ and not cuda_available():
 from . import bench as _bench
 from . import check as _check
 from . import profile as _profile
+from . import refit as _refit
 from . import train as _train
 from . import tune as _tune
+from .common import err_console, print_error
 
 class _FlagHelp:
     """--help is a flag: typer 0.29 shows it with a '<bool>' value placeholder; show it without, like our flags."""
@@ -36,7 +40,25 @@ class _Command(_FlagHelp, TyperCommand):
 
 
 class _Group(_FlagHelp, TyperGroup):
-    pass
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """A usage error (unknown option, a value out of range, a missing required option) is one line plus a
+        hint, exit 2, like every other refusal, instead of typer's usage text and boxed panel."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `dostune` alone: the help, as typer shows it
+                e.show()
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            where = f"`{ctx.command_path} --help`" if ctx is not None else "`dostune --help`"
+            print_error(e.format_message(), f"{where} lists the options")
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            err_console.print("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 app = typer.Typer(
@@ -72,6 +94,7 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 app.command("profile", cls=_Command)(_profile.profile)
 app.command("tune", cls=_Command)(_tune.tune)
+app.command("refit", cls=_Command)(_refit.refit)
 app.command("train", cls=_Command)(_train.train)
 app.command("bench", cls=_Command)(_bench.bench)
 app.command("check", cls=_Command)(_check.check)

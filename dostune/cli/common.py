@@ -30,11 +30,15 @@ err_console = _console(stderr=True)
 out_console = _console(stderr=False)
 
 
-def fail(message: str, code: int = 2, hint: str | None = None) -> None:
+def print_error(message: str, hint: str | None = None) -> None:
     """One line for the problem and at most one for the hint, never wrapped into more (a log greps by line)."""
-    err_console.print(f"[bold red]error:[/] {_one_line(message)}", highlight=False, markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {_one_line(message)}", highlight=False, soft_wrap=True)
     if hint:
         err_console.print(f"[dim]hint: {_one_line(hint)}[/]", highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = 2, hint: str | None = None) -> None:
+    print_error(message, hint)
     raise typer.Exit(code)
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..train.loop import Interrupted, TrainOptions, train as run_train
+from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
 from .common import err_console, flag, handle_errors, print_json
 
 
@@ -58,6 +58,7 @@ def train(
     opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
                         plain_deepspeed=plain_deepspeed, deterministic=deterministic)
+    check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
     with progress:
