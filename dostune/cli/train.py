@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
-from .common import err_console, flag, handle_errors, print_json
+from .common import err_console, flag, handle_errors, need_deepspeed, print_json
 
 
 @handle_errors
@@ -19,9 +19,11 @@ def train(
     model: str = typer.Option("gpt2-1.3b", help="Model preset, hf:config.json, or package.module:factory."),
     steps: int = typer.Option(100, min=1, help="Optimizer steps to reach (a resumed run continues up to it)."),
     seq: int = typer.Option(1024, min=1, help="Sequence length."),
-    data: Optional[Path] = typer.Option(None, help="A text file or a folder of text files (tokenised with a "
-                                        "byte-level tokenizer, or --tokenizer). Default: seeded synthetic tokens."),
-    tokenizer: Optional[Path] = typer.Option(None, help="A `tokenizers` JSON file for --data."),
+    data: Optional[Path] = typer.Option(None, exists=True, help="A text file or a folder of text files (tokenised "
+                                        "with a byte-level tokenizer, or --tokenizer). Default: seeded synthetic "
+                                        "tokens."),
+    tokenizer: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
+                                             help="A `tokenizers` JSON file for --data."),
     seed: int = typer.Option(0, help="Seed for the weights and the batches."),
     save_dir: Optional[Path] = typer.Option(None, help="Checkpoint folder (DeepSpeed's format, one tag per save)."),
     save_every: int = typer.Option(0, min=0, help="Save every N steps (0: only at the end and on Ctrl-C)."),
@@ -58,6 +60,7 @@ def train(
     opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
                         plain_deepspeed=plain_deepspeed, deterministic=deterministic)
+    need_deepspeed("dostune train")
     check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
