@@ -8,8 +8,10 @@ pipe, and when it dies instead the parent turns how it died and in which phase i
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import signal
+import sys
 from typing import Optional
 
 from ..dsconfig import OffloadSettings
@@ -39,7 +41,9 @@ def _child(conn, name: str, opts, offload: OffloadSettings) -> None:
     from .run import run_method_here
 
     try:
-        res = run_method_here(name, resolve_model(opts.model), opts, offload, _PipeProgress(conn))
+        # stdout belongs to the parent's --json output; DeepSpeed prints to it when it builds an op
+        with contextlib.redirect_stdout(sys.stderr):
+            res = run_method_here(name, resolve_model(opts.model), opts, offload, _PipeProgress(conn))
     except BaseException as e:  # resolve_model or the pipe itself; run_method_here reports the method's own
         res = MethodResult(method=name, description=opts.describe(name), ran=False,
                            error=f"{type(e).__name__}: {e}"[:2000])

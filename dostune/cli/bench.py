@@ -15,7 +15,7 @@ from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..profile.record import atomic_write_text, check_writable, read_json_record, save_record
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -136,7 +136,7 @@ def bench(
         save_record(partial, path)
         atomic_write_text(path.with_suffix(".md"), markdown(partial))
 
-    with RichProgress() as progress:
+    with RichProgress() as progress, quiet_stdout():
         res = run_bench(opts, progress, on_result=keep)
     keep(res)
     pngs = []

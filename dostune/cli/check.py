@@ -11,7 +11,7 @@ from ..bench.check import UnusableInput, compare, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
 from ..profile.record import atomic_write_text, check_writable
-from .common import err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json
+from .common import err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json, quiet_stdout
 
 
 def _fraction(text: str) -> float:
@@ -55,7 +55,7 @@ def _fresh_run(base, ratio_only: bool):
                         sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), node=base.node)
     from .common import RichProgress
 
-    with RichProgress() as progress:
+    with RichProgress() as progress, quiet_stdout():
         return run_bench(opts, progress)
 
 

@@ -1,6 +1,7 @@
 """Shared CLI plumbing: consoles, error handling, progress bars."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -144,3 +145,9 @@ def need_deepspeed(purpose: str) -> None:
     note = check_deepspeed(purpose)
     if note:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def quiet_stdout():
+    """Inside: what third-party code prints to stdout (DeepSpeed's "... op built successfully") goes to stderr,
+    so that stdout carries only the --json output a script reads."""
+    return contextlib.redirect_stdout(sys.stderr)

@@ -13,7 +13,7 @@ from ..profile.identity import gpu_info
 from ..profile.node import NodeProfileOptions, default_name, measure_node
 from ..profile.record import check_writable, node_profile_schema, save_record
 from ..profile.summary import summary_rows
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int]]:
@@ -96,7 +96,7 @@ def profile(
     # Everything that can refuse the output refuses it now: measuring takes minutes on a GPU node.
     path = _output_path(output, force, lambda: f"{opts.name or default_name(gpu_info(device))}.json")
     need_deepspeed("dostune profile")
-    with RichProgress() as progress:
+    with RichProgress() as progress, quiet_stdout():
         prof = measure_node(opts, progress)
     save_record(prof, path)
     err_console.print(render_profile(prof))
@@ -150,7 +150,7 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
     if plot is not None:
         check_writable(plot, "--plot")
     need_deepspeed("dostune profile --model")
-    with RichProgress() as progress:
+    with RichProgress() as progress, quiet_stdout():
         prof = measure_model(opts, progress)
     save_record(prof, path)
     err_console.print(render_model_profile(prof))

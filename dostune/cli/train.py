@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
-from .common import err_console, flag, handle_errors, need_deepspeed, print_json
+from .common import err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 @handle_errors
@@ -75,7 +75,8 @@ def train(
             if rank0 and (r.step % log_every == 0 or r.step == steps):
                 progress.console.print(f"step {r.step:>6}  {info}", highlight=False)
 
-        summary = run_train(opts, on_step=on_step)
+        with quiet_stdout():
+            summary = run_train(opts, on_step=on_step)
     if rank0:
         err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
                           f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))

@@ -15,7 +15,8 @@ from ..errors import NotAvailable
 from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json
+from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
+                     quiet_stdout)
 
 
 def _f(x, fmt="{:.3f}"):
@@ -126,7 +127,8 @@ def tune(
         if validate:
             from ..tune.validate import validate as run_validation
 
-            res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress)
+            with quiet_stdout():
+                res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress)
     out = tune_output_dir(opts)
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")
