@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import signal
 import sys
+import warnings
 from typing import Optional
 
 from ..dsconfig import OffloadSettings
@@ -35,10 +36,15 @@ class _PipeProgress:
         self.conn.send(("advance", n))
 
 
-def _child(conn, name: str, opts, offload: OffloadSettings) -> None:
+def _child(conn, name: str, opts, offload: OffloadSettings, warning_filters: list) -> None:
     """Entry point of the child process."""
     from ..models.registry import resolve_model
     from .run import run_method_here
+
+    # the parent's warning policy (the CLI silences torch.distributed's per-step deprecation notices); a spawned
+    # process starts with Python's defaults
+    warnings.filters[:] = warning_filters
+    warnings._filters_mutated()
 
     try:
         # stdout belongs to the parent's --json output; DeepSpeed prints to it when it builds an op
@@ -70,7 +76,8 @@ def death(exitcode: Optional[int], phase: Optional[str]) -> str:
 def run_isolated(name: str, opts, offload: OffloadSettings, progress: ProgressSink) -> MethodResult:
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, name, opts, offload), name=f"dostune-bench-{name}")
+    proc = ctx.Process(target=_child, args=(send, name, opts, offload, list(warnings.filters)),
+                       name=f"dostune-bench-{name}")
     proc.start()
     send.close()  # the child holds the only writer: EOF on the pipe means it is gone
     phase, result = None, None
