@@ -117,3 +117,18 @@ def test_shipped_h100_profile_loads():
     assert p.has_gpu and "H100" in p.gpu.name
 
 
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    """Not mkstemp's 0600: a profile or a result is for others to read (0644 under the common umask 022)."""
+    import os
+
+    from dostune.profile.record import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "sub" / "x.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644 and path.read_text() == "{}\n"
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left
