@@ -10,6 +10,7 @@ say so plainly otherwise. ``dostune profile --schema`` prints the JSON schema; s
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -239,9 +240,11 @@ def load_node_profile(path: str | os.PathLike) -> NodeProfile:
         raise ProfileError(_format_validation_error(str(path), e)) from None
 
 
+@functools.lru_cache(maxsize=1)
 def _file_mode() -> int:
-    """The mode a plain open() would give a new file: 0666 less the umask (mkstemp's 0600 is for secrets)."""
-    mask = os.umask(0)
+    """The mode a plain open() would give a new file: 0666 less the umask (mkstemp's 0600 is for secrets). Read
+    once: reading the umask means setting it, which another thread creating a file at that moment would see."""
+    mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
 
