@@ -2,17 +2,28 @@
 
 One builder serves the tuner (emitted ``ds_config.json``), the trainer, the benchmark's baselines and the
 tests, so every method compared by ``dostune bench`` differs only where it is meant to.
+
+Activation checkpointing is carried by DeepSpeed's standard top-level ``activation_checkpointing`` section:
+when it is present, dostune's model builder checkpoints every transformer block. DeepSpeed's engine itself
+never reads that section (only its ``deepspeed.checkpointing`` API does, which the models here do not call),
+so its contents only have to stay valid for DeepSpeed.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from .errors import ConfigError
 from .optim.schedule import SECTION, ScheduleConfig
 
 Precision = Literal["bf16", "fp16", "fp32"]
+# Who reads the emitted config: DeepSpeed itself (every value concrete), the Hugging Face Trainer, or Accelerate
+# in the user's own loop (each with "auto" where it fills the value in; see hf_config).
+Target = Literal["deepspeed", "trainer", "accelerate"]
+
+# fp16's dynamic loss scaling, in every config that may run in fp16
+FP16_LOSS_SCALING = {"loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,7 @@ class TrainSettings:
     clip: float = 1.0
     warmup_steps: int = 0
     initial_loss_scale_power: int = 16  # fp16 only
+    activation_checkpointing: bool = False  # recompute each transformer block's activations in backward
 
     def validate(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
@@ -52,6 +64,30 @@ class OffloadSettings:
     cpu_threads: Optional[int] = None
     schedule: Optional[ScheduleConfig] = None
     extra_zero: dict = field(default_factory=dict)
+
+
+CHECKPOINTING_SECTION = "activation_checkpointing"
+# DeepSpeed's own keys at values that leave its deepspeed.checkpointing API (were a model to call it) as plain as
+# torch.utils.checkpoint: nothing partitioned across ranks, no contiguous buffers, nothing moved to the CPU.
+CHECKPOINTING_CONTENTS = {"partition_activations": False, "contiguous_memory_optimization": False,
+                          "cpu_checkpointing": False}
+
+
+def activation_checkpointing(ds_config: dict) -> bool:
+    """Whether a run with this DeepSpeed config checkpoints every transformer block: the one place that reads
+    the switch."""
+    section = ds_config.get(CHECKPOINTING_SECTION)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f"the DeepSpeed config's '{CHECKPOINTING_SECTION}' section must be an object, got "
+                          f"{type(section).__name__}")
+    return section is not None
+
+
+def with_activation_checkpointing(ds_config: dict) -> dict:
+    """A copy of ``ds_config`` that checkpoints every block (a section it already has is kept as it is)."""
+    out = copy.deepcopy(ds_config)
+    out.setdefault(CHECKPOINTING_SECTION, dict(CHECKPOINTING_CONTENTS))
+    return out
 
 
 def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
@@ -96,13 +132,117 @@ def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
     if train.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif train.precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": train.initial_loss_scale_power,
-                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+        cfg["fp16"] = {"enabled": True, **FP16_LOSS_SCALING, "initial_scale_power": train.initial_loss_scale_power}
     if train.warmup_steps:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
                                                            "warmup_num_steps": train.warmup_steps}}
+    if train.activation_checkpointing:
+        cfg[CHECKPOINTING_SECTION] = dict(CHECKPOINTING_CONTENTS)
     if offload.schedule is not None:
         if offload.ratio != 1.0:
             raise ConfigError("a dostune schedule needs the whole optimizer state offloaded (ratio 1.0)")
         cfg[SECTION] = offload.schedule.model_dump(exclude_none=True)
     return cfg
+
+
+# Keys the Hugging Face Trainer fills from TrainingArguments when they are "auto" (transformers'
+# HfTrainerDeepSpeedConfig.trainer_config_process and trainer_config_finalize). A concrete value that differs from
+# TrainingArguments (its defaults included: betas 0.9/0.999, weight decay 0) stops the Trainer with its
+# config-mismatch ValueError, so everything it fills is left to it.
+TRAINER_AUTO = (
+    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "bf16.enabled", "fp16.enabled",
+)
+# Keys Accelerate fills in Accelerator.prepare when they are "auto": the batch sizes from the prepared DataLoader
+# and Accelerator(gradient_accumulation_steps=...), lr and weight decay from accelerate.utils.DummyOptim, the
+# precision from --mixed_precision. Accelerate refuses any other "auto" (betas, eps: it has no value for them) and
+# fills an "auto" gradient_clipping with 1.0 whatever the script asks, so those stay concrete.
+ACCELERATE_AUTO = (
+    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+    "optimizer.params.lr", "optimizer.params.weight_decay", "bf16.enabled", "fp16.enabled",
+)
+
+
+def check_target(target: str) -> Target:
+    if target not in get_args(Target):
+        raise ConfigError(f"unknown config target {target!r}; choose one of {', '.join(get_args(Target))}")
+    return target  # type: ignore[return-value]
+
+
+def hf_config(ds_config: dict, target: Target = "trainer") -> dict:
+    """A copy of ``ds_config`` that the Hugging Face Trainer (``target`` "trainer") or Accelerate ("accelerate")
+    accepts unchanged: "auto" wherever they fill a value in (TRAINER_AUTO, ACCELERATE_AUTO), both precision sections
+    present so the run's precision follows TrainingArguments' bf16/fp16 (or --mixed_precision), and no scheduler
+    section for the Trainer unless the config had one (the Trainer's own lr_scheduler_type then applies). The
+    ZeRO-3 offload settings and the top-level ``dostune`` section are kept as they are; "deepspeed" returns an
+    unchanged copy."""
+    cfg = copy.deepcopy(ds_config)
+    if check_target(target) == "deepspeed":
+        return cfg
+    cfg.setdefault("fp16", {"enabled": False, **FP16_LOSS_SCALING,
+                            "initial_scale_power": TrainSettings.initial_loss_scale_power}).setdefault("enabled", False)
+    cfg.setdefault("bf16", {"enabled": False}).setdefault("enabled", False)
+    cfg.setdefault("train_batch_size", "auto")  # both fill it in (from the micro-batch, accumulation and world size)
+    if target == "trainer":
+        # What Trainer.save_model needs under ZeRO-3 to write the model's weights rather than only the checkpoint.
+        cfg.get("zero_optimization", {}).setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    for key in TRAINER_AUTO if target == "trainer" else ACCELERATE_AUTO:
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = "auto"
+    return cfg
+
+
+def _dostune_conflicts(ds_config: dict) -> list[str]:
+    """The settings of a DeepSpeed config under which the interleaved optimizer cannot run: it replaces ZeRO-3's
+    update of an optimizer state offloaded whole to the CPU, done by DeepSpeedCPUAdam (Adam or AdamW). "auto" values
+    are not judged (the Trainer or Accelerate fill them with numbers, never with another optimizer or stage)."""
+    problems = []
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (3, "auto"):
+        problems.append(f"zero_optimization.stage must be 3, got {stage}")
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device", "none")
+    if device != "cpu":
+        problems.append(f"zero_optimization.offload_optimizer.device must be 'cpu', got {device!r}")
+    ratio = offload.get("ratio", 1.0)
+    if ratio not in (1, 1.0, "auto"):
+        problems.append(f"offload_optimizer.ratio must be 1.0 (a ratio below 1 is Twin-Flow), got {ratio}")
+    if offload.get("super_offload"):
+        problems.append("offload_optimizer.super_offload must be off (SuperOffload is its own ZeRO-3 optimizer)")
+    optimizer = ds_config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        problems.append("an 'optimizer' section of type Adam or AdamW is needed (without one the Trainer or "
+                        "Accelerate hands DeepSpeed a torch optimizer)")
+    else:
+        kind = str(optimizer.get("type", ""))
+        params = optimizer.get("params") or {}
+        if kind.lower() not in ("adam", "adamw"):
+            problems.append(f"optimizer.type must be Adam or AdamW, got {kind!r}")
+        if params.get("torch_adam") is True:
+            problems.append("optimizer.params.torch_adam must be false (the offloaded update is DeepSpeedCPUAdam)")
+        if params.get("amsgrad") is True:
+            problems.append("optimizer.params.amsgrad is not supported")
+    return problems
+
+
+def check_dostune_config(ds_config: dict) -> Optional[ScheduleConfig]:
+    """The config's ``dostune`` schedule (None without that section), after checking that the rest of the config
+    lets it run; a conflict stops here with one ConfigError naming every offending key, before any engine is
+    built."""
+    schedule = ScheduleConfig.from_ds_config(ds_config)
+    if schedule is None:
+        return None
+    problems = _dostune_conflicts(ds_config)
+    if problems:
+        raise ConfigError(f"the DeepSpeed config conflicts with its '{SECTION}' section: " + "; ".join(problems),
+                          hint="dostune's interleaved optimizer runs ZeRO-3 with the Adam/AdamW state offloaded to the "
+                               "CPU: fix those keys (`dostune tune --for trainer` writes a config that fits), or "
+                               f"remove the '{SECTION}' section to run plain DeepSpeed")
+    return schedule

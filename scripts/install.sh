@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if absent) and install dostune into it. On a machine without a CUDA build of torch,
 # pin the local CPU build first: a loose torch requirement would pull a multi-GB CUDA build.
-# Usage: bash scripts/install.sh [extra]   (extra: "test" adds pytest)
+# Usage: bash scripts/install.sh [extra]   (extra: "test" adds pytest and the hf extra; "hf" adds transformers
+# and accelerate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=${1:-}
@@ -24,7 +25,11 @@ if ! python -c "import torch" 2>/dev/null; then
     pip_quiet torch==2.13.0 || exit 1
   fi
 fi
-pip_quiet -e ".${extra:+[$extra]}" || exit 1
+# constrained to the torch installed above: an extra's dependency (accelerate, in dostune[hf]) must not swap its build
+torch_pin=$(mktemp)
+python -c "import torch; print('torch==' + torch.__version__)" > "$torch_pin"
+pip_quiet -e ".${extra:+[$extra]}" -c "$torch_pin" || { rm -f "$torch_pin"; exit 1; }
+rm -f "$torch_pin"
 # versions from the packages' metadata: importing DeepSpeed here would print its accelerator banner
 python -c "from importlib.metadata import version as v; import dostune; print('dostune', dostune.__version__, \
 '| torch', v('torch'), '| deepspeed', v('deepspeed'))"

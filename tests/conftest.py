@@ -10,7 +10,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/device-tests.sh on the device machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on a GPU machine: bash scripts/gpu-tests.sh)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

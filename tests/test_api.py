@@ -52,8 +52,24 @@ def test_hf_trainer_callback_switches_the_optimizer():
 
 
 def test_hf_callback_without_schedule_is_a_clear_error():
-    with pytest.raises(ConfigError, match="no 'dostune' section"):
+    with pytest.raises(ConfigError, match="does not run DeepSpeed"):
         dostune.HFTrainerCallback().on_train_begin(SimpleNamespace(), None, None, optimizer=None)
+    args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config=_cfg()))
+    with pytest.raises(ConfigError, match="no 'dostune' section"):
+        dostune.HFTrainerCallback().on_init_end(args, None, None)
+
+
+def test_hf_callback_checks_the_config_when_the_trainer_is_built():
+    # an explicit schedule is checked against the Trainer's config too; the Accelerate plugin's copy is preferred
+    # (under `accelerate launch` only it has the config)
+    cfg = _cfg(stage=2)
+    args = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=cfg), hf_deepspeed_config=None)
+    with pytest.raises(ConfigError, match="zero_optimization.stage must be 3, got 2") as e:
+        dostune.HFTrainerCallback({"gpu_fraction": 0.5}).on_init_end(args, None, None)
+    assert "remove the 'dostune' section" in e.value.hint
+    control = object()
+    ok = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=_cfg()))
+    assert dostune.HFTrainerCallback({"gpu_fraction": 0.5}).on_init_end(ok, None, control) is control
 
 
 def test_unsupported_deepspeed_settings_are_refused():

@@ -1,4 +1,4 @@
-"""GPU-only checks (marked gpu; run on the device machine with scripts/device-tests.sh)."""
+"""GPU-only checks (marked gpu; on a GPU machine run them with scripts/gpu-tests.sh)."""
 import numpy as np
 import pytest
 import torch

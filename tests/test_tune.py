@@ -55,7 +55,7 @@ def test_overlap_is_searched_and_predicted_faster_with_a_model_profile(space):
     from dostune.tune.space import Candidate
 
     assert space.overlap_possible
-    # the measured H100 case (results/h100/overlap-gpt2-1.3b): 7 subgroups of 2e8, 3 on the GPU lane
+    # the measured H100 case (docs/experiments.md, section 4): 7 subgroups of 2e8, 3 on the GPU lane
     off, on = (space.evaluate(Candidate(200_000_000, 3, 2, 16, "gpu_convert", True, o)) for o in (False, True))
     assert on.schedule.overlap_backward and not off.schedule.overlap_backward
     assert on.step_s < off.step_s

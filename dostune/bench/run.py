@@ -81,6 +81,7 @@ class BenchOptions:
     node: Optional[str] = None
     train: TrainSettings = field(default_factory=TrainSettings)
     variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
+    activation_checkpointing: bool = False  # every method's model recomputes each block's activations in backward
     isolate: bool = True  # each method in its own process (bench/isolate.py); False: in this one (tests)
 
     def resolved_methods(self) -> list[str]:
@@ -268,6 +269,11 @@ def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: Off
         free_engine_memory()
 
 
+def _train_settings(opts: BenchOptions) -> TrainSettings:
+    return replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
+                   activation_checkpointing=opts.activation_checkpointing)
+
+
 def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
     """Everything a bench can refuse before the first engine (minutes on a GPU), refused now; returns the model,
     its parameter count and the methods in the order they run."""
@@ -279,7 +285,7 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
-    replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip).validate()
+    _train_settings(opts).validate()
     numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
     for name in methods:
         if is_dostune(name):
@@ -318,7 +324,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     what finished (the CLI writes it out) whatever happens to the rest."""
     progress = progress or NullProgress()
     spec, params, methods = check_bench_options(opts)
-    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip)
+    opts.train = _train_settings(opts)
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     gpu = gpu_name()

@@ -12,6 +12,7 @@ from rich.table import Table
 from ..bench.record import BenchResult
 from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
 from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_dostune, node_label, run_bench
+from ..dsconfig import activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..profile.record import atomic_write_text, check_writable, read_json_record, save_record
@@ -102,6 +103,9 @@ def bench(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
     seed: int = typer.Option(0, help="Seed for weights and batches (the same for every method)."),
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="Every method's model "
+                                                  "checkpoints each transformer block (recomputes its activations "
+                                                  "in backward). On too when a --config has the section."),
     json_out: bool = flag(False, "--json", help="Print the result JSON on stdout."),
 ):
     """Train one model under each offload method and compare them.
@@ -121,7 +125,9 @@ def bench(
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
                         dostune_sub_group_size=dostune_sub_group_size or sgs, node=node, variants=variants,
-                        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None)
+                        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+                        activation_checkpointing=activation_checkpointing
+                        or any(config_checkpoints(read_json_record(c, "DeepSpeed config")) for c in configs))
     check_bench_options(opts)  # bad names, shapes, schedules that do not fit the model: before any work
     path = output or Path("results") / node_label(opts).lower().replace(" ", "-") / f"bench-{model}.json"
     if path.suffix in (".md", ".png"):

@@ -59,6 +59,9 @@ def profile(
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
+                                          "checkpoint every transformer block (recompute its activations "
+                                          "in backward), as a run whose config has the section would."),
     force: bool = flag(False, "--force", "-f", help="Overwrite an existing output file."),
     json_out: bool = flag(False, "--json", help="Print the profile as JSON on stdout."),
     schema: bool = flag(False, "--schema", help="Print the profile's JSON schema and exit."),
@@ -85,7 +88,8 @@ def profile(
         print_json(node_profile_schema())
         return
     if model is not None:
-        _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out)
+        _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
+                       activation_checkpointing)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -127,12 +131,14 @@ def render_model_profile(p) -> Table:
     return t
 
 
-def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out):
+def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
+                   activation_checkpointing=False):
     from ..models.registry import resolve_model
     from ..profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
-                               sub_group_size=sub_group_size, iters=iters, node=node)
+                               sub_group_size=sub_group_size, iters=iters, node=node,
+                               activation_checkpointing=activation_checkpointing)
     opts.validate()
     if dtype not in ("bf16", "fp16", "fp32"):
         raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}")

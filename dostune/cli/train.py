@@ -37,6 +37,10 @@ def train(
                                        "this a resumed run drifts from an uninterrupted one in the last bits; "
                                        "with it the H100 reproduced 100 resumed steps of gpt2-1.3b bit for bit. "
                                        "On a CPU runs are exact anyway."),
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="Checkpoint every "
+                                                  "transformer block (recompute its activations in backward) even "
+                                                  "if the config has no activation_checkpointing section (with one, "
+                                                  "it is on anyway)."),
     json_out: bool = flag(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
@@ -59,7 +63,8 @@ def train(
                           / "metrics.jsonl")
     opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
-                        plain_deepspeed=plain_deepspeed, deterministic=deterministic)
+                        plain_deepspeed=plain_deepspeed, deterministic=deterministic,
+                        activation_checkpointing=activation_checkpointing)
     need_deepspeed("dostune train")
     check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

@@ -92,6 +92,12 @@ def tune(
     precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
     lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
     clip: float = typer.Option(1.0, min=0.0, help="Gradient clipping written into the emitted config (0: off)."),
+    target: str = typer.Option("deepspeed", "--for", help="Who reads ds_config.json: 'deepspeed' (deepspeed.initialize, "
+                               "dostune train; every value concrete), 'trainer' (the Hugging Face Trainer: \"auto\" for "
+                               "batch sizes, gradient accumulation and clipping, the optimizer's lr/betas/eps/weight "
+                               "decay and bf16/fp16, which it fills from TrainingArguments) or 'accelerate' (your own "
+                               "loop under Accelerate: \"auto\" for batch sizes, gradient accumulation, lr, weight decay "
+                               "and bf16/fp16). The ZeRO-3 offload settings and the 'dostune' section are the same."),
     output_dir: Optional[Path] = typer.Option(None, help="Where ds_config.json, tune.json, the timeline PNG and "
                                               "the study go. Default: runs/tune/MODEL."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///OUTPUT_DIR/study.db."),
@@ -99,6 +105,9 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
                                  "report measured against predicted."),
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="The emitted config "
+                                                  "checkpoints every transformer block (DeepSpeed's "
+                                                  "activation_checkpointing section); profile the model with it too."),
     json_out: bool = flag(False, "--json", help="Print the tuning result as JSON on stdout."),
 ):
     """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
@@ -108,6 +117,8 @@ def tune(
     whether gradients stay on the GPU, under the GPU memory budget. Writes ds_config.json (ZeRO-3, optimizer
     offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize accepts and
     `dostune train` / `dostune.initialize` run with.
+    With --for trainer or --for accelerate the same config carries "auto" where the Hugging Face Trainer or
+    Accelerate fill values in (docs/hf.md).
 
     Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
     """
@@ -115,7 +126,8 @@ def tune(
                        seed=seed, gpu_memory_budget=gpu_memory_budget,
                        max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
-                       storage=storage, study_name=study_name)
+                       storage=storage, study_name=study_name, target=target,
+                       activation_checkpointing=activation_checkpointing)
     check_options(opts)
     if validate:
         if not cuda_available():
@@ -128,7 +140,8 @@ def tune(
             from ..tune.validate import validate as run_validation
 
             with quiet_stdout():
-                res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress)
+                res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
+                                                activation_checkpointing=activation_checkpointing)
     out = tune_output_dir(opts)
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")

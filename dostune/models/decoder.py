@@ -4,6 +4,11 @@ Everything is initialised inside constructors (no post-hoc ``model.apply``), so 
 under ``deepspeed.zero.Init``, which partitions each module's parameters as soon as its constructor
 returns: a 13B model never materialises whole on one device.
 
+``gradient_checkpointing_enable()`` (the name Hugging Face models use, so every model kind is switched the
+same way) recomputes each block's forward in backward instead of keeping its activations, through
+``torch.utils.checkpoint`` without reentrancy: the recompute runs inside the same backward graph task, so
+ZeRO-3's module hooks gather the block's parameters again for it.
+
 The GPT-2 LM head is tied to the token embedding. Rather than touching the embedding's weight from the
 top-level forward (ZeRO-3 would then not have gathered it), the embedding module itself computes the
 logits when called with ``project=True``, so ZeRO-3's per-module hooks gather it both times.
@@ -16,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 INIT_STD = 0.02
@@ -174,6 +180,15 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.hidden) if cfg.family == "gpt2" else RMSNorm(cfg.hidden)
         self.head = None if cfg.family == "gpt2" else _Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.checkpoint_kwargs: Optional[dict] = None  # None: keep every block's activations
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None) -> None:
+        """Checkpoint every block: ``gradient_checkpointing_kwargs`` go to torch.utils.checkpoint.checkpoint
+        (non-reentrant unless they say otherwise)."""
+        self.checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.checkpoint_kwargs = None
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
@@ -182,8 +197,10 @@ class DecoderLM(nn.Module):
         x = self.embed(input_ids)
         if self.head is None:
             x = x + self.pos[:s]
+        # without autograd there is nothing to recompute: run the blocks plainly
+        ckpt = self.checkpoint_kwargs is not None and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, **self.checkpoint_kwargs) if ckpt else block(x)
         x = self.norm(x)
         logits = self.embed(x, project=True) if self.head is None else self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -4,10 +4,15 @@ A model spec couples a module builder with a batch factory. Presets are decoder 
 weights; a user factory is a callable returning ``(model, batch_fn)`` where ``model(**batch)`` returns a
 scalar loss (or an object with ``.loss``) and ``batch_fn(micro_batch, seq, generator, device)`` returns
 the keyword arguments of one micro-batch.
+
+Activation checkpointing is switched on the built module the way Hugging Face models switch it, for every kind:
+``activation_checkpointing_enable`` (transformers 5.2x's name) or ``gradient_checkpointing_enable`` (its older,
+deprecated one). Presets and ``hf:`` models have it; a factory's module must offer one of them.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,18 +56,54 @@ class ModelSpec:
     """What dostune needs to build and feed a model."""
 
     name: str
-    build: Callable[[], nn.Module]
+    make: Callable[[], nn.Module]  # the module with random weights, activations kept
     batch: BatchFn
     num_params: Optional[int] = None  # analytic count, when known without building
     max_seq: Optional[int] = None
     config: dict = field(default_factory=dict)
+
+    def build(self, checkpointing: bool = False) -> nn.Module:
+        """The model; with ``checkpointing`` each transformer block's activations are recomputed in backward
+        instead of kept (activation checkpointing)."""
+        model = self.make()
+        if checkpointing:
+            enable_checkpointing(model, self.name)
+        return model
+
+
+# Non-reentrant: the recompute runs inside the same backward graph task, where ZeRO-3's module hooks gather the
+# block's parameters again; it also needs no input that requires grad.
+CHECKPOINT_KWARGS = {"use_reentrant": False}
+# (method, name of its torch.utils.checkpoint keyword arguments), the current name first
+ENABLERS = (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+            ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"))
+
+
+def enable_checkpointing(model: nn.Module, name: str) -> None:
+    """Switch on the model's own per-block checkpointing, non-reentrant where it takes checkpoint's arguments."""
+    found = [(getattr(model, m), kw) for m, kw in ENABLERS if callable(getattr(model, m, None))]
+    if not found:
+        raise DostuneError(f"--model {name}: activation checkpointing needs the model to offer "
+                           "gradient_checkpointing_enable() or activation_checkpointing_enable(), and it offers "
+                           "neither",
+                           hint="add one that wraps each block in torch.utils.checkpoint.checkpoint(..., "
+                                "use_reentrant=False), or run without activation checkpointing")
+    enable, kw = found[0]
+    try:
+        takes_kwargs = kw in inspect.signature(enable).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it plainly
+        takes_kwargs = False
+    if takes_kwargs:
+        enable(**{kw: dict(CHECKPOINT_KWARGS)})
+    else:
+        enable()
 
 
 def _preset_spec(name: str, cfg: DecoderConfig) -> ModelSpec:
     def batch(micro_batch: int, seq: int, generator: torch.Generator, device) -> dict:
         return synthetic_batch(micro_batch, seq, cfg.vocab, generator, device)
 
-    return ModelSpec(name=name, build=lambda: DecoderLM(cfg), batch=batch, num_params=count_parameters(cfg),
+    return ModelSpec(name=name, make=lambda: DecoderLM(cfg), batch=batch, num_params=count_parameters(cfg),
                      max_seq=cfg.max_positions, config={"preset": name, **cfg.as_dict()})
 
 
@@ -99,7 +140,7 @@ def _factory_spec(spec: str) -> ModelSpec:
             raise DostuneError(f"--model {spec!r}: build the model before asking for batches")
         return cache["batch"](micro_batch, seq, generator, device)
 
-    return ModelSpec(name=spec, build=build, batch=batch, config={"factory": spec})
+    return ModelSpec(name=spec, make=build, batch=batch, config={"factory": spec})
 
 
 def _hf_spec(path: str) -> ModelSpec:
@@ -111,8 +152,15 @@ def _hf_spec(path: str) -> ModelSpec:
     cfg_path = Path(path)
     if not cfg_path.exists():
         raise DostuneError(f"--model hf:{path}: config file not found")
-    config = transformers.AutoConfig.from_pretrained(str(cfg_path))
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(cfg_path))
+    except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type
+        raise DostuneError(f"--model hf:{path}: not a Hugging Face model config ({str(e).splitlines()[0]})",
+                           hint="a config.json with a model_type transformers knows, e.g. tests/data/tiny-llama.json"
+                           ) from None
     vocab = config.vocab_size
+    with torch.device("meta"):  # the parameter count, without memory or initialisation
+        num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
 
     class _Wrap(nn.Module):
         def __init__(self):
@@ -122,10 +170,17 @@ def _hf_spec(path: str) -> ModelSpec:
         def forward(self, input_ids, labels):
             return self.inner(input_ids=input_ids, labels=labels).loss
 
+        def gradient_checkpointing_enable(self):
+            if not self.inner.supports_gradient_checkpointing:
+                raise DostuneError(f"--model hf:{path}: {type(self.inner).__name__} does not support activation "
+                                   "checkpointing (transformers' supports_gradient_checkpointing is False)",
+                                   hint="run without activation checkpointing")
+            enable_checkpointing(self.inner, f"hf:{path}")
+
     def batch(micro_batch, seq, generator, device):
         return synthetic_batch(micro_batch, seq, vocab, generator, device)
 
-    return ModelSpec(name=f"hf:{path}", build=_Wrap, batch=batch,
+    return ModelSpec(name=f"hf:{path}", make=_Wrap, batch=batch, num_params=num_params,
                      max_seq=getattr(config, "max_position_embeddings", None),
                      config={"hf_config": json.loads(config.to_json_string())})
 

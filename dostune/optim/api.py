@@ -6,7 +6,7 @@ import logging
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from .schedule import ScheduleConfig
+from .schedule import SECTION, ScheduleConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +25,15 @@ def attach(engine, schedule: Optional[ScheduleConfig | dict] = None):
 
     ``schedule`` defaults to the ``dostune`` section of the engine's config. Without one, the engine is
     left exactly as DeepSpeed built it. Returns the (possibly re-classed) ZeRO-3 optimizer, or None.
+    This is the hook for engines built elsewhere: with Accelerate, ``dostune.attach(model)`` on the model
+    ``accelerator.prepare`` returned (a DeepSpeed engine).
     """
+    from ..dsconfig import check_dostune_config
     from .zero3 import InterleavedZeroOptimizer
 
+    config = engine_config_dict(engine)
     if schedule is None:
-        schedule = ScheduleConfig.from_ds_config(engine_config_dict(engine))
+        schedule = check_dostune_config(config)
     elif isinstance(schedule, dict):
         schedule = ScheduleConfig.from_ds_config({"dostune": schedule})
     if schedule is None:
@@ -52,34 +56,64 @@ def initialize(*args: Any, **kwargs: Any):
     return out
 
 
+def trainer_ds_config(args) -> Optional[dict]:
+    """The DeepSpeed config of a Hugging Face Trainer run, from its TrainingArguments: given as
+    ``TrainingArguments(deepspeed=...)``, or as ``deepspeed_config_file`` under ``accelerate launch`` (then only
+    the Accelerate plugin the arguments carry has it). None when the run does not use DeepSpeed."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    if config is None:
+        config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    return config if isinstance(config, dict) else None
+
+
 class HFTrainerCallback:
     """Turns the interleaved optimizer on inside a Hugging Face ``Trainer`` run with DeepSpeed::
 
-        trainer = Trainer(..., args=TrainingArguments(..., deepspeed="ds_config.json"))
-        trainer.add_callback(dostune.HFTrainerCallback())
+        trainer = Trainer(..., args=TrainingArguments(..., deepspeed="ds_config.json"),
+                          callbacks=[dostune.HFTrainerCallback()])
 
-    The Trainer (through Accelerate) builds the DeepSpeed engine before ``on_train_begin``; there the engine's
-    ZeRO-3 optimizer (inside Accelerate's optimizer wrapper) is switched to the schedule in the config's
-    ``dostune`` section, or to ``schedule`` if given. Duck-typed, so transformers stays an optional dependency.
+    Passed to the Trainer's constructor, it checks the DeepSpeed config against its ``dostune`` section when the
+    Trainer is built (``on_init_end``): a conflict (another optimizer, ZeRO stage 2, no CPU offload) stops there
+    with one ConfigError, before any model is partitioned or any step runs. The Trainer (through Accelerate) builds
+    the DeepSpeed engine before ``on_train_begin``; there the engine's ZeRO-3 optimizer (inside Accelerate's
+    optimizer wrapper) is switched to the schedule in the config's ``dostune`` section, or to ``schedule`` if
+    given. Duck-typed, so transformers stays an optional dependency.
     """
 
     def __init__(self, schedule: Optional[ScheduleConfig | dict] = None):
         self.schedule = schedule
         self.optimizer = None
 
+    def _schedule(self, args) -> ScheduleConfig:
+        """The schedule to run, after checking the Trainer's DeepSpeed config can run it."""
+        from ..dsconfig import check_dostune_config
+
+        ds_config = trainer_ds_config(args)
+        if ds_config is None:
+            raise ConfigError("HFTrainerCallback: the Trainer does not run DeepSpeed",
+                              hint="pass TrainingArguments(deepspeed='ds_config.json') with a ZeRO-3 CPU-offload "
+                                   "config (dostune tune --for trainer writes one)")
+        if self.schedule is not None:  # the given schedule replaces the config's section
+            section = self.schedule.model_dump(exclude_none=True) if isinstance(self.schedule, ScheduleConfig) \
+                else self.schedule
+            ds_config = {**ds_config, SECTION: section}
+        schedule = check_dostune_config(ds_config)
+        if schedule is None:
+            raise ConfigError("HFTrainerCallback: the DeepSpeed config has no 'dostune' section and no schedule "
+                              "was given", hint="use the ds_config.json `dostune tune --for trainer` wrote, or pass "
+                                                "HFTrainerCallback(schedule={...})")
+        return schedule
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._schedule(args)
+        return control
+
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         from .zero3 import InterleavedZeroOptimizer
 
+        schedule = self._schedule(args)  # again: a callback added after the Trainer was built missed on_init_end
         zero3 = getattr(optimizer, "optimizer", optimizer)  # accelerate's DeepSpeedOptimizerWrapper
-        schedule = self.schedule
-        if isinstance(schedule, dict):
-            schedule = ScheduleConfig.from_ds_config({"dostune": schedule})
-        if schedule is None:
-            ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
-            schedule = ScheduleConfig.from_ds_config(ds_config)
-        if schedule is None:
-            raise ConfigError("HFTrainerCallback: the DeepSpeed config has no 'dostune' section and no schedule "
-                              "was given")
         if zero3 is None or not hasattr(zero3, "fp32_partitioned_groups_flat"):
             raise ConfigError("HFTrainerCallback: the Trainer has no DeepSpeed ZeRO-3 optimizer (pass "
                               "TrainingArguments(deepspeed=...) with zero_optimization.stage 3)")

@@ -41,6 +41,7 @@ class ModelProfileOptions:
     warmup: int = 2
     seed: int = 0
     node: Optional[str] = None
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def validate(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.micro_batch < 1 or self.seq < 1 or self.sub_group_size < 1:
@@ -220,7 +221,11 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     cuda = identity.cuda_available()
     notes = [] if cuda else ["measured on the CPU: memory is the process's RSS and times are CPU times; "
                              "GPU figures need a GPU"]
-    train = TrainSettings(micro_batch=opts.micro_batch, precision=opts.precision)
+    train = TrainSettings(micro_batch=opts.micro_batch, precision=opts.precision,
+                          activation_checkpointing=opts.activation_checkpointing)
+    if opts.activation_checkpointing:
+        notes.append("activation checkpointing on: backward includes each block's recomputed forward, and memory "
+                     "holds only the blocks' inputs between forward and backward")
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
                                                   extra_zero={"reduce_bucket_size": opts.reduce_bucket_size}))
     progress.start(f"{opts.model}: building the ZeRO-3 offload engine", 1)

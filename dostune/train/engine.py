@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..dsconfig import activation_checkpointing
 from ..models.registry import ModelSpec, loss_of
 
 
@@ -35,7 +36,8 @@ def ensure_distributed() -> None:
 
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True):
     """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built) and
-    wrap it in a DeepSpeed engine; with ``use_dostune`` a ``dostune`` section switches the optimizer."""
+    wrap it in a DeepSpeed engine; with ``use_dostune`` a ``dostune`` section switches the optimizer. An
+    ``activation_checkpointing`` section makes the model checkpoint every transformer block."""
     import deepspeed
 
     from ..optim.api import initialize
@@ -43,7 +45,7 @@ def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: b
     ensure_distributed()
     torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = spec.build()
+        model = spec.build(checkpointing=activation_checkpointing(ds_config))
     init = initialize if use_dostune else deepspeed.initialize
     engine, *_ = init(model=model, config=ds_config, model_parameters=[p for p in model.parameters()
                                                                         if p.requires_grad])

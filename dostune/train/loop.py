@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from .._version import __version__
+from ..dsconfig import activation_checkpointing, with_activation_checkpointing
 from ..errors import ConfigError, DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
@@ -42,6 +43,7 @@ class TrainOptions:
     metrics: Optional[Path] = None
     plain_deepspeed: bool = False  # ignore the dostune section
     deterministic: bool = False  # PyTorch's deterministic kernels: fewer run-to-run differences on a GPU
+    activation_checkpointing: bool = False  # on even where the config has no activation_checkpointing section
 
 
 def use_deterministic_kernels() -> None:
@@ -82,6 +84,7 @@ class TrainSummary:
 def load_ds_config(path: Path) -> dict:
     cfg = read_json_record(path, "DeepSpeed config")
     ScheduleConfig.from_ds_config(cfg)  # a malformed dostune section fails here, before any work
+    activation_checkpointing(cfg)  # ... and so does a malformed activation_checkpointing section
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                          "gradient_accumulation_steps"))
@@ -178,6 +181,8 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
         use_deterministic_kernels()
     if opts.plain_deepspeed:
         cfg = {k: v for k, v in cfg.items() if k != "dostune"}
+    if opts.activation_checkpointing:
+        cfg = with_activation_checkpointing(cfg)
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=True)
     summary = TrainSummary(steps_run=0, first_step=0, last_step=0, optimizer=type(engine.optimizer).__name__)
     metrics_f = None

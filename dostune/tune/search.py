@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from .._version import __version__
-from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..dsconfig import OffloadSettings, Target, TrainSettings, check_target, deepspeed_config, hf_config
 from ..errors import DostuneError, ProfileError
 from ..invocation import invocation
 from ..models.registry import resolve_model
@@ -47,6 +47,8 @@ class TuneOptions:
     study_name: Optional[str] = None
     lr: float = 1e-4
     clip: float = 1.0
+    target: Target = "deepspeed"  # who reads the emitted config (dsconfig.hf_config)
+    activation_checkpointing: bool = False  # the emitted config carries DeepSpeed's activation_checkpointing section
     notes: list[str] = field(default_factory=list)
 
 
@@ -251,12 +253,15 @@ def ranked(space: Space, study) -> list[TrialRecord]:
     return out
 
 
-def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float) -> dict:
+def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float,
+                target: Target = "deepspeed", activation_checkpointing: bool = False) -> dict:
     from ..optim.schedule import ScheduleConfig
 
     sched = ScheduleConfig.model_validate(rec.schedule)
-    train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip)
-    return deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched))
+    train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip,
+                          activation_checkpointing=activation_checkpointing)
+    return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched)),
+                     target)
 
 
 def output_dir(opts: TuneOptions) -> Path:
@@ -270,6 +275,7 @@ def check_options(opts: TuneOptions) -> None:
     """Everything about the options that can be refused without the profiles, refused before any work."""
     if opts.trials < 1:
         raise DostuneError(f"--trials must be at least 1, got {opts.trials}")
+    check_target(opts.target)
     if opts.precision is not None and opts.precision not in ("bf16", "fp16", "fp32"):
         raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {opts.precision!r}")
     if opts.sampler not in SAMPLERS:
@@ -314,6 +320,10 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         raise DostuneError(f"--micro-batch {micro_batch} differs from the model profile's {model_p.micro_batch}: "
                            "its forward/backward times and memory would not apply", hint="profile that batch size")
     precision = opts.precision or (model_p.precision if model_p else "bf16")
+    if opts.activation_checkpointing:
+        opts.notes.append("the emitted config checkpoints every block: the predicted times and memory hold if the "
+                          "model profile was measured that way too (dostune profile --model ... "
+                          "--activation-checkpointing)")
     out_dir = output_dir(opts)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
@@ -342,4 +352,5 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, notes=list(opts.notes))
-    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip), space
+    return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
+                               opts.activation_checkpointing), space

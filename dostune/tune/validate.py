@@ -14,7 +14,7 @@ from .record import TuneResult, Validation
 
 
 def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int = 2,
-             progress: Optional[ProgressSink] = None) -> list[Validation]:
+             progress: Optional[ProgressSink] = None, activation_checkpointing: bool = False) -> list[Validation]:
     """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, a few iterations each."""
     if not cuda_available():
         raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU")
@@ -24,7 +24,8 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
                         iters=iters, warmup=warmup, sub_group_size=result.ds_sub_group_size or 100_000_000)
     from dataclasses import replace
 
-    opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision)
+    opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision,
+                         activation_checkpointing=activation_checkpointing)
     out = []
     base = run_method("zero-offload", spec, opts, _method_offload("zero-offload", opts, None), progress)
     if base.ran and result.ds_offload is not None:
