@@ -112,6 +112,7 @@ CASES = [
     ("tune --trials 2 --output-dir {out} --gpu-memory-budget lots", "'auto' or a number"),
     ("tune --trials 2 --output-dir {out} --sampler annealing", "--sampler must be one of"),
     ("tune --trials 0 --output-dir {out}", "--trials"),
+    ("tune --trials 2 --output-dir {out} --for nonsense", "unknown config target"),
     ("tune --trials 2 --output-dir {out} --profile {node} --model gpt2-tiny", "no model profile for gpt2-tiny"),
     # train
     ("train --config {missing} --model gpt2-tiny --metrics {out}", "does not exist"),
