@@ -8,17 +8,28 @@ cd "$(dirname "$0")/.."
 extra=${1:-}
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+# pip's output only when it fails: an editable install otherwise prints setuptools' multi-line notice about it
+pip_quiet() {
+  local out
+  if ! out=$(python -m pip install -q "$@" 2>&1); then
+    echo "$out" >&2
+    echo "install.sh: pip install $* failed" >&2
+    return 1
+  fi
+}
+pip_quiet --upgrade pip || echo "install.sh: going on with $(python -m pip --version | cut -d' ' -f1-2)" >&2
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    python -m pip install -q torch 2>&1 | grep -v "is ignored" || true
+    pip_quiet torch || exit 1
   else
-    python -m pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
+    pip_quiet torch==2.13.0 || exit 1
   fi
 fi
 # constrained to the torch installed above: an extra's dependency (accelerate, in dostune[hf]) must not swap its build
 torch_pin=$(mktemp)
 python -c "import torch; print('torch==' + torch.__version__)" > "$torch_pin"
-python -m pip install -q -e ".${extra:+[$extra]}" -c "$torch_pin" 2>&1 | grep -v "is ignored" || true
+pip_quiet -e ".${extra:+[$extra]}" -c "$torch_pin" || { rm -f "$torch_pin"; exit 1; }
 rm -f "$torch_pin"
-python -c "import dostune, deepspeed, torch; print('dostune', dostune.__version__, '| torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+# versions from the packages' metadata: importing DeepSpeed here would print its accelerator banner
+python -c "from importlib.metadata import version as v; import dostune; print('dostune', dostune.__version__, \
+'| torch', v('torch'), '| deepspeed', v('deepspeed'))"

@@ -25,7 +25,8 @@ def tiny_bench():
     engine_mod.build_engine = spy
     try:
         opts = bench_run.BenchOptions(model="gpt2-tiny", micro_batch=2, seq=32, iters=3, warmup=1,
-                                      methods=["dostune", "zero-offload"], sub_group_size=20_000)
+                                      methods=["dostune", "zero-offload"], sub_group_size=20_000,
+                                      isolate=False)  # in this process, so the spy sees the engines
         res = bench_run.run_bench(opts, command="pytest")
     finally:
         engine_mod.build_engine = real

@@ -108,3 +108,15 @@ def test_update_baseline(tmp_path):
     r = CliRunner().invoke(app, ["check", "--baseline", str(base), "--current", str(new), "--update-baseline"])
     assert r.exit_code == 0
     assert json.loads(base.read_text())["methods"]["dostune"]["step_s"] == 0.45
+
+
+def test_change_column_has_the_values_own_sign(tmp_path):
+    """dostune's step slower: its time change reads +, its speedup change reads - (a falling speedup)."""
+    base = _write(tmp_path, "base.json", result())
+    bad = _write(tmp_path, "bad.json", result(dostune_step=0.45))
+    r = CliRunner().invoke(app, ["check", "--baseline", str(base), "--current", str(bad)])
+    rows = {line.split("│")[1].strip(): line.split("│")[4].strip() for line in r.output.splitlines()
+            if line.startswith("│")}
+    assert rows["dostune/step"] == "+50.0%"
+    assert rows["speedup/step"] == f"{1.0 / 0.45 / (1.0 / 0.3) - 1:+.1%}" and rows["speedup/step"].startswith("-")
+    assert r.exit_code == 1

@@ -56,3 +56,50 @@ def test_profile_schema():
     r = runner.invoke(app, ["profile", "--schema"])
     assert r.exit_code == 0
     assert json.loads(r.stdout)["title"] == "NodeProfile"
+
+
+@pytest.mark.parametrize("cmd", ["profile", "tune", "refit", "train", "bench", "check"])
+def test_flags_show_no_value_placeholder(cmd):
+    r = runner.invoke(app, [cmd, "--help"])
+    assert r.exit_code == 0 and "<bool>" not in r.stdout
+    r = runner.invoke(app, ["--help"])
+    assert "<bool>" not in r.stdout
+
+
+def test_one_rule_for_percentages():
+    from dostune.cli.common import parse_fraction
+    from dostune.errors import DostuneError
+
+    for text in ("10%", "0.1", " 10% ", 0.1):
+        assert parse_fraction(text, "--x") == pytest.approx(0.1)
+    assert parse_fraction("150%", "--x") == pytest.approx(1.5) and parse_fraction("1", "--x") == 1.0
+    for bad in ("10", "-1%", "lots", "nan"):
+        with pytest.raises(DostuneError, match="--x"):
+            parse_fraction(bad, "--x")
+
+
+def test_tables_are_not_cut_in_a_log(monkeypatch, tmp_path):
+    """Without a terminal (a log, CI) the console is wide enough for the tuning tables."""
+    from dostune.cli.common import LOG_WIDTH, _console
+    from dostune.cli.tune import render_trials
+    from dostune.tune.search import TuneOptions, run_tune
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = _console(stderr=True)
+    assert console.width == LOG_WIDTH
+    res, _, _ = run_tune(TuneOptions(trials=3, output_dir=tmp_path, profile=None if not _cuda() else _node()))
+    with console.capture() as cap:
+        console.print(render_trials(res))
+    assert "…" not in cap.get() and "sub_group_size" in cap.get()
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _node():
+    from dostune.profile.paths import shipped_profile
+
+    return shipped_profile()

@@ -117,3 +117,20 @@ def test_shipped_h100_profile_loads():
     assert p.has_gpu and "H100" in p.gpu.name
 
 
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    """Not mkstemp's 0600: a profile or a result is for others to read (0644 under the common umask 022)."""
+    import os
+
+    from dostune.profile import record
+
+    old = os.umask(0o022)
+    record._file_mode.cache_clear()
+    try:
+        path = record.atomic_write_text(tmp_path / "sub" / "x.json", "{}\n")
+    finally:
+        os.umask(old)
+        record._file_mode.cache_clear()
+    assert path.stat().st_mode & 0o777 == 0o644 and path.read_text() == "{}\n"
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left

@@ -126,7 +126,8 @@ def junit_xml(rep: CheckReport) -> str:
     for f in rep.findings:
         case = ET.SubElement(suite, "testcase", classname="dostune.check", name=f.name)
         if f.regression:
-            fail = ET.SubElement(case, "failure", message=f"{f.ratio - 1:+.1%} (tolerance {rep.tolerance:.0%}, "
+            worse = "missing" if f.ratio == float("inf") else f"worse by {f.ratio - 1:.1%}"
+            fail = ET.SubElement(case, "failure", message=f"{worse} (tolerance {rep.tolerance:.0%}, "
                                                           f"noise {f.noise:.1%})")
             fail.text = f"baseline {f.baseline:.6g}, current {f.current:.6g}; {f.note}".strip()
     return ET.tostring(suite, encoding="unicode")

@@ -1,6 +1,10 @@
-"""`dostune bench`: train the same model, batch and seed under each offload method, one after another in
-one process, and measure forward, backward, step and iteration time, peak GPU memory and the loss. With more
-than one round the methods run again in reverse order (A B, B A, ...) and their samples are pooled."""
+"""`dostune bench`: train the same model, batch and seed under each offload method, one after another, and
+measure forward, backward, step and iteration time, peak GPU memory and the loss. With more than one round the
+methods run again in reverse order (A B, B A, ...) and their samples are pooled.
+
+Each method runs in its own process (bench/isolate.py): an engine that the out-of-memory killer ends, a CUDA
+error that poisons the context, or a crash in native code then costs that method's row (which says what
+happened), not the other methods' results."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -8,7 +12,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -18,10 +22,13 @@ from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
-from ..profile.identity import cuda_available, deepspeed_version
+from ..deepspeed_support import check_deepspeed
+from ..perfmodel.subgroups import param_numels
+from ..profile.identity import cuda_available, deepspeed_version, nvml, nvml_handle
 from ..profile.timing import NullProgress, ProgressSink
 from ..stats import Stat
 from ..train.engine import free_engine_memory
+from ..tune.refit import check_fits
 from .record import BenchResult, MethodResult, Span
 
 METHODS: dict[str, str] = {
@@ -75,6 +82,7 @@ class BenchOptions:
     train: TrainSettings = field(default_factory=TrainSettings)
     variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
     activation_checkpointing: bool = False  # every method's model recomputes each block's activations in backward
+    isolate: bool = True  # each method in its own process (bench/isolate.py); False: in this one (tests)
 
     def resolved_methods(self) -> list[str]:
         methods = self.methods or (GPU_DEFAULT if cuda_available() else CPU_DEFAULT)
@@ -177,6 +185,8 @@ def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) 
 def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: float) -> float:
     """Twin-Flow keeps (1 - ratio) of fp32 params, exp_avg, exp_avg_sq and grads (16 bytes per element) on the
     GPU: the ratio whose extra memory equals dostune's extra peak over ZeRO-Offload."""
+    if params <= 0:
+        raise DostuneError(f"Twin-Flow's matching ratio needs the model's parameter count, got {params}")
     extra = max(0.0, dostune_peak - offload_peak) * 2**30
     return round(min(1.0, max(0.0, 1.0 - extra / (16.0 * params))), 3)
 
@@ -228,6 +238,17 @@ def gpu_allocated_gib() -> Optional[float]:
 
 def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
                progress: ProgressSink) -> MethodResult:
+    """One method's measurement: in its own process unless ``opts.isolate`` is off. Never raises for a method
+    that fails: the result says what happened (``ran`` False, ``error``)."""
+    if opts.isolate:
+        from .isolate import run_isolated
+
+        return run_isolated(name, opts, offload, progress)
+    return run_method_here(name, spec, opts, offload, progress)
+
+
+def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
+                    progress: ProgressSink) -> MethodResult:
     cfg = deepspeed_config(opts.train, offload)
     free_engine_memory()
     before = gpu_allocated_gib()
@@ -237,51 +258,102 @@ def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadS
         res = _build_and_measure(name, spec, opts, cfg, progress)
         res.allocated_before_gib = round(before, 3) if before is not None else None
         return res
-    except (Exception, SystemExit) as e:  # a baseline that cannot run here is reported, not fatal
-        if isinstance(e, DostuneError) and is_dostune(name):
-            raise
-        msg = f"{type(e).__name__}: {e}".strip()
-        tb = traceback.format_exc(limit=3)
-        return MethodResult(method=name, description=opts.describe(name), ran=False, error=(msg + "\n" + tb)[:2000],
+    except (Exception, SystemExit) as e:  # a method that cannot run here is reported, not fatal
+        if isinstance(e, DostuneError):
+            msg = str(e) + (f" (hint: {e.hint})" if e.hint else "")
+        else:
+            msg = f"{type(e).__name__}: {e}".strip() + "\n" + traceback.format_exc(limit=3)
+        return MethodResult(method=name, description=opts.describe(name), ran=False, error=msg[:2000],
                             ds_config=cfg)
     finally:
         free_engine_memory()
 
 
-def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None) -> BenchResult:
-    progress = progress or NullProgress()
+def _train_settings(opts: BenchOptions) -> TrainSettings:
+    return replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
+                   activation_checkpointing=opts.activation_checkpointing)
+
+
+def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
+    """Everything a bench can refuse before the first engine (minutes on a GPU), refused now; returns the model,
+    its parameter count and the methods in the order they run."""
     if opts.rounds < 1:
         raise DostuneError(f"--rounds must be at least 1, got {opts.rounds}")
+    if opts.iters < 1 or opts.warmup < 0 or opts.micro_batch < 1 or opts.seq < 1:
+        raise DostuneError("--iters, --micro-batch and --seq must be at least 1, --warmup at least 0")
+    methods = opts.resolved_methods()
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
-    opts.train = replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
-                         activation_checkpointing=opts.activation_checkpointing)
-    methods = opts.resolved_methods()
+    _train_settings(opts).validate()
+    numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
+    for name in methods:
+        if is_dostune(name):
+            off = _method_offload(name, opts, None)
+            cfg = {"zero_optimization": {"sub_group_size": off.sub_group_size},
+                   "dostune": off.schedule.model_dump(exclude_none=True)}
+            v = opts.variant(name)
+            check_fits(cfg, spec, v.source if v and v.source else f"the {name} schedule",
+                       int(os.environ.get("WORLD_SIZE", "1")))
+    check_deepspeed("dostune bench")
+    return spec, spec.num_params or sum(numels), methods
+
+
+def gpu_name() -> Optional[str]:
+    """The GPU's name, read through NVML so that this process does not start CUDA (the methods run in their
+    own processes and get the whole GPU)."""
+    if not cuda_available():
+        return None
+    with nvml() as nv:
+        if nv is not None:
+            try:
+                name = nv.nvmlDeviceGetName(nvml_handle(nv, 0))
+                return name.decode() if isinstance(name, bytes) else name
+            except nv.NVMLError:
+                pass
+    return torch.cuda.get_device_name()
+
+
+def node_label(opts: BenchOptions) -> str:
+    return opts.node or gpu_name() or f"cpu-{os.cpu_count()}c"
+
+
+def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None,
+              on_result: Optional[Callable[[BenchResult], None]] = None) -> BenchResult:
+    """Measure every method; ``on_result`` gets the result so far after each method, so that a caller can keep
+    what finished (the CLI writes it out) whatever happens to the rest."""
+    progress = progress or NullProgress()
+    spec, params, methods = check_bench_options(opts)
+    opts.train = _train_settings(opts)
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    gpu = gpu_name()
+
+    def result() -> BenchResult:
+        return BenchResult(
+            created=created, command=command or invocation(), dostune_version=__version__,
+            deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
+            node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model, params=params,
+            micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision, clip=opts.clip,
+            warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed,
+            methods={name: pool_rounds(runs[name]) for name in methods if runs[name]})
+
     twin_ratio = None
     for r in range(opts.rounds):
-        # Reversed every other round: a machine that drifts over minutes (the lent ones do) then favours no method.
+        # Reversed every other round: a machine that drifts over minutes then favours no method.
         for name in (methods if r % 2 == 0 else methods[::-1]):
             if name == "twin-flow-mem" and twin_ratio is None:
                 d, z = runs.get("dostune"), runs.get("zero-offload")
                 if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
-                    twin_ratio = twin_flow_matching_ratio(spec.num_params or 0, d[0].peak_gpu_gib,
-                                                          z[0].peak_gpu_gib)
+                    twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
             res = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), sink)
             if name == "twin-flow-mem" and res.ran:
                 res.description += f" (ratio {twin_ratio})"
             runs[name].append(res)
-    results = {name: pool_rounds(runs[name]) for name in methods}
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return BenchResult(
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command=command or invocation(),
-        dostune_version=__version__, deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
-        node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model,
-        params=spec.num_params or 0, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
-        clip=opts.clip, warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed, methods=results)
+            if on_result is not None:
+                on_result(result())
+    return result()
 
 
 class _RoundProgress:

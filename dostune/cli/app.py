@@ -1,18 +1,68 @@
 """The `dostune` command line: a thin layer over the library API."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import typer
+from typer import _click as click
+from typer.core import TyperCommand, TyperGroup
 
 from .._version import __version__
+from ..profile.identity import cuda_available
+
+# DeepSpeed prints "Setting accelerator to CPU. If you have GPU ..." at import on a machine without a GPU: name
+# the accelerator it would pick anyway, before any command imports it (DS_ACCELERATOR set by the user wins).
+if "DS_ACCELERATOR" not in os.environ and not cuda_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
 from . import bench as _bench
 from . import check as _check
 from . import profile as _profile
+from . import refit as _refit
 from . import train as _train
 from . import tune as _tune
+from .common import err_console, print_error
+
+class _FlagHelp:
+    """--help is a flag: typer 0.29 shows it with a '<bool>' value placeholder; show it without, like our flags."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_FlagHelp, TyperCommand):
+    pass
+
+
+class _Group(_FlagHelp, TyperGroup):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """A usage error (unknown option, a value out of range, a missing required option) is one line plus a
+        hint, exit 2, like every other refusal, instead of typer's usage text and boxed panel."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `dostune` alone: the help, as typer shows it
+                e.show()
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            where = f"`{ctx.command_path} --help`" if ctx is not None else "`dostune --help`"
+            print_error(e.format_message(), f"{where} lists the options")
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            err_console.print("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
+    cls=_Group,
     name="dostune",
     help="Deep Optimizer States for DeepSpeed ZeRO-3: profile a node, tune the interleaved CPU+GPU "
          "optimizer schedule, train with it, and benchmark it against DeepSpeed's offload.",
@@ -35,20 +85,19 @@ ALLOC_CONF_DEFAULT = "expandable_segments:True"
 
 
 @app.callback()
-def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True, metavar="",
                                                  help="Print the version and exit.")):
     """Sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set already (it must be set
     before CUDA starts; `dostune.initialize` users set it themselves)."""
-    import os
-
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF_DEFAULT)
 
 
-app.command("profile")(_profile.profile)
-app.command("tune")(_tune.tune)
-app.command("train")(_train.train)
-app.command("bench")(_bench.bench)
-app.command("check")(_check.check)
+app.command("profile", cls=_Command)(_profile.profile)
+app.command("tune", cls=_Command)(_tune.tune)
+app.command("refit", cls=_Command)(_refit.refit)
+app.command("train", cls=_Command)(_train.train)
+app.command("bench", cls=_Command)(_bench.bench)
+app.command("check", cls=_Command)(_check.check)
 
 
 def main() -> None:

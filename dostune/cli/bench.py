@@ -11,12 +11,12 @@ from rich.table import Table
 
 from ..bench.record import BenchResult
 from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
-from ..bench.run import METHODS, BenchOptions, Variant, is_dostune, run_bench
+from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_dostune, node_label, run_bench
 from ..dsconfig import activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
-from ..profile.record import read_json_record, save_record, atomic_write_text
-from .common import RichProgress, err_console, handle_errors, print_json
+from ..profile.record import atomic_write_text, check_writable, read_json_record, save_record
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -103,10 +103,10 @@ def bench(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Result JSON; a .md and a timeline "
                                           "PNG are written beside it. Default: results/<node>/bench-<model>.json"),
     seed: int = typer.Option(0, help="Seed for weights and batches (the same for every method)."),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Every method's model "
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="Every method's model "
                                                   "checkpoints each transformer block (recomputes its activations "
                                                   "in backward). On too when a --config has the section."),
-    json_out: bool = typer.Option(False, "--json", help="Print the result JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the result JSON on stdout."),
 ):
     """Train one model under each offload method and compare them.
 
@@ -128,12 +128,23 @@ def bench(
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
                         activation_checkpointing=activation_checkpointing
                         or any(config_checkpoints(read_json_record(c, "DeepSpeed config")) for c in configs))
-    opts.resolved_methods()  # fail on bad names before any work
-    with RichProgress() as progress:
-        res = run_bench(opts, progress)
-    path = output or Path("results") / res.node.lower().replace(" ", "-") / f"bench-{model}.json"
-    save_record(res, path)
-    atomic_write_text(path.with_suffix(".md"), markdown(res))
+    check_bench_options(opts)  # bad names, shapes, schedules that do not fit the model: before any work
+    path = output or Path("results") / node_label(opts).lower().replace(" ", "-") / f"bench-{model}.json"
+    if path.suffix in (".md", ".png"):
+        raise DostuneError(f"--output {path} names the result JSON; the .md and the timeline PNG go beside it",
+                           hint="give a path ending in .json")
+    for p in (path, path.with_suffix(".md"), path.with_name(f"{path.stem}-timeline.png")):
+        check_writable(p, "--output")
+    need_deepspeed("dostune bench")
+
+    def keep(partial: BenchResult) -> None:
+        # after every method: what finished is on disk whatever happens to the rest
+        save_record(partial, path)
+        atomic_write_text(path.with_suffix(".md"), markdown(partial))
+
+    with RichProgress() as progress, quiet_stdout():
+        res = run_bench(opts, progress, on_result=keep)
+    keep(res)
     pngs = []
     for name, m in res.methods.items():
         if is_dostune(name) and m.timeline:
@@ -145,7 +156,11 @@ def bench(
     err_console.print(render_bench(res))
     for line in ceiling_lines(res):
         err_console.print(line)
+    failed = [n for n, m in res.methods.items() if not m.ran]
+    if failed:
+        err_console.print(f"[yellow]note:[/] {len(failed)} method(s) did not run: {', '.join(failed)} (the reason is "
+                          "in each row and in the .md)", highlight=False, soft_wrap=True)
     err_console.print(f"results written to [bold]{path}[/] and {path.with_suffix('.md')}"
-                      + (f"; timeline {png}" if png else ""))
+                      + (f"; timeline {png}" if png else ""), soft_wrap=True)
     if json_out:
         print_json(res)

@@ -1,7 +1,6 @@
 """`dostune check`: a CI gate on iteration time against a stored baseline."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -11,16 +10,23 @@ from rich.table import Table
 from ..bench.check import UnusableInput, compare, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
-from ..profile.record import atomic_write_text
-from .common import err_console, handle_errors, print_json
+from ..profile.record import atomic_write_text, check_writable
+from .common import err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json, quiet_stdout
 
 
 def _fraction(text: str) -> float:
-    t = text.strip()
     try:
-        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise UnusableInput(f"--max-regression: expected e.g. 5% or 0.05, got {text!r}") from None
+        return parse_fraction(text, "--max-regression")
+    except DostuneError as e:
+        raise UnusableInput(str(e), hint=e.hint) from None
+
+
+def change(f) -> str:
+    """The value's own change, current against baseline: a time that grows reads +, a speedup that falls reads -
+    (whether that is worse is the verdict column's job)."""
+    if f.ratio == float("inf") or not f.baseline:
+        return "missing"
+    return f"{f.current / f.baseline - 1:+.1%}"
 
 
 def _load(path: Path, what: str):
@@ -49,7 +55,7 @@ def _fresh_run(base, ratio_only: bool):
                         sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), node=base.node)
     from .common import RichProgress
 
-    with RichProgress() as progress:
+    with RichProgress() as progress, quiet_stdout():
         return run_bench(opts, progress)
 
 
@@ -59,12 +65,12 @@ def check(
     current: Optional[Path] = typer.Option(None, help="Result to check. Default: run `dostune bench` now with the "
                                            "baseline's model, batch and methods (or --run)."),
     run: Optional[str] = typer.Option(None, help="Extra `dostune bench` arguments for the fresh run, quoted."),
-    max_regression: str = typer.Option("5%", help="Allowed slowdown, e.g. 5% or 0.05."),
-    ratio_only: bool = typer.Option(False, help="Compare only dostune's speedup over ZeRO-Offload (measured within "
+    max_regression: str = typer.Option("5%", help="Allowed slowdown: a percentage (5%) or a fraction (0.05)."),
+    ratio_only: bool = flag(False, "--ratio-only", help="Compare only dostune's speedup over ZeRO-Offload (measured within "
                                     "each run), not absolute times: for a baseline from another machine."),
-    update_baseline: bool = typer.Option(False, help="Write the current result over the baseline (deliberately)."),
+    update_baseline: bool = flag(False, "--update-baseline", help="Write the current result over the baseline (deliberately)."),
     junit: Optional[Path] = typer.Option(None, help="Also write a JUnit XML report here."),
-    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the findings as JSON on stdout."),
 ):
     """Compare a fresh (or given) bench result with a baseline; exit 0 within tolerance, 1 on a regression,
     2 on unusable input.
@@ -76,10 +82,16 @@ def check(
     Example (GitHub Actions step): dostune check --baseline results/baseline.json --max-regression 5% --junit check.xml
     """
     tol = _fraction(max_regression)
+    # every output is checked before a fresh bench runs (minutes)
+    if junit is not None:
+        check_writable(junit, "--junit")
+    if update_baseline:
+        check_writable(baseline, "--baseline")
     base = _load(baseline, "baseline")
     if current is None:
         if run:
             raise DostuneError("--run: give the bench arguments to `dostune bench` and pass its output with --current")
+        need_deepspeed("dostune check (a fresh bench)")
         cur = _fresh_run(base, ratio_only)
     else:
         cur = _load(current, "current")
@@ -88,8 +100,7 @@ def check(
     for col in ("what", "baseline", "current", "change", "noise", "repeats", "verdict"):
         table.add_column(col, justify="left" if col in ("what", "verdict") else "right")
     for f in rep.findings:
-        change = f"{f.ratio - 1:+.1%}" if f.ratio != float("inf") else "missing"
-        table.add_row(f.name, f"{f.baseline:.4g}", f"{f.current:.4g}", change, f"{f.noise:.1%}",
+        table.add_row(f.name, f"{f.baseline:.4g}", f"{f.current:.4g}", change(f), f"{f.noise:.1%}",
                       f"{f.repeats[0]}/{f.repeats[1]}", "[red]REGRESSION[/]" if f.regression else "ok")
     err_console.print(table)
     if junit is not None:
@@ -99,7 +110,7 @@ def check(
                     "findings": [f.__dict__ for f in rep.findings]})
     if update_baseline:
         if current is not None:
-            shutil.copyfile(current, baseline)
+            atomic_write_text(baseline, current.read_text())
         else:
             from ..profile.record import save_record
 

@@ -1,8 +1,10 @@
 """Shared CLI plumbing: consoles, error handling, progress bars."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -12,32 +14,84 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from ..errors import DostuneError
 
+# Width when stderr is not a terminal (a log, CI, a pipe): rich's default of 80 columns would cut the tuning
+# tables to "5e…"; a log has no width, so give the tables room (COLUMNS still wins when set).
+LOG_WIDTH = 200
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    width = None if tty or os.environ.get("COLUMNS") else LOG_WIDTH
+    return Console(stderr=stderr, width=width)
+
+
 # People read stderr (tables, progress); machines read stdout when --json is given.
-err_console = Console(stderr=True)
-out_console = Console()
+err_console = _console(stderr=True)
+out_console = _console(stderr=False)
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    """One line for the problem and at most one for the hint, never wrapped into more (a log greps by line)."""
+    err_console.print(f"[bold red]error:[/] {_one_line(message)}", highlight=False, soft_wrap=True)
+    if hint:
+        err_console.print(f"[dim]hint: {_one_line(hint)}[/]", highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2, hint: str | None = None) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
-    if hint:
-        err_console.print(f"[dim]hint: {hint}[/]", highlight=False)
+    print_error(message, hint)
     raise typer.Exit(code)
 
 
+def _one_line(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(" ".join(str(text).split()))
+
+
 def handle_errors(fn: Callable) -> Callable:
-    """Turn DostuneError into a one-line message and an exit code; Ctrl-C into exit 130."""
+    """Turn DostuneError (and a file-system error nobody foresaw) into a one-line message and an exit code;
+    Ctrl-C into exit 130. DOSTUNE_DEBUG=1 shows the traceback instead."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except DostuneError as e:
+            if os.environ.get("DOSTUNE_DEBUG"):
+                raise
             fail(str(e), e.exit_code, e.hint)
+        except OSError as e:
+            if os.environ.get("DOSTUNE_DEBUG"):
+                raise
+            where = f": {e.filename}" if e.filename else ""
+            fail(f"{e.strerror or e}{where}", 2, "DOSTUNE_DEBUG=1 shows where it happened")
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]")
             raise typer.Exit(130)
 
     return wrapper
+
+
+def parse_fraction(text: str | float, option: str) -> float:
+    """The one rule for shares and tolerances on the command line: '10%' or 0.1 (a bare number is a fraction,
+    so above 1 it must carry '%', else '10' would silently mean 1000%)."""
+    t = str(text).strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise DostuneError(f"{option}: expected a percentage like 10% or a fraction like 0.1, got {text!r}") from None
+    if value != value or value < 0:
+        raise DostuneError(f"{option} must be a non-negative share, got {text!r}")
+    if not t.endswith("%") and value > 1:
+        raise DostuneError(f"{option} {t} is ambiguous: a bare number is a fraction (0.1 = 10%)",
+                           hint=f"write {t}% for {t} percent, or {value / 100:g} for the same as a fraction")
+    return value
+
+
+def flag(default: bool, *names: str, help: str) -> Any:
+    """A boolean option shown as a flag (no '<bool>' value placeholder in --help)."""
+    return typer.Option(default, *names, help=help, metavar="")
 
 
 def print_json(obj: Any) -> None:
@@ -49,18 +103,21 @@ def print_json(obj: Any) -> None:
 
 
 class RichProgress:
-    """ProgressSink backed by a rich progress display: one bar per measurement phase."""
+    """ProgressSink backed by a rich progress display: one bar per measurement phase. The display starts with the
+    first phase, so a command refused before any work prints its error alone."""
 
     def __init__(self, console: Console = err_console):
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                   MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
         self._task = None
+        self._live = False
 
     def __enter__(self):
-        self._progress.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if not self._live:
+            return False
         self._finish_current()
         return self._progress.__exit__(*exc)
 
@@ -70,9 +127,27 @@ class RichProgress:
             self._progress.update(self._task, completed=t.total)
 
     def start(self, description: str, total: int) -> None:
+        if not self._live:
+            self._progress.__enter__()
+            self._live = True
         self._finish_current()
         self._task = self._progress.add_task(description, total=max(total, 1))
 
     def advance(self, n: int = 1) -> None:
         if self._task is not None:
             self._progress.advance(self._task, n)
+
+
+def need_deepspeed(purpose: str) -> None:
+    """Refuse an untested DeepSpeed before any work (one line); show the note when the user overrode that."""
+    from ..deepspeed_support import check_deepspeed
+
+    note = check_deepspeed(purpose)
+    if note:
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def quiet_stdout():
+    """Inside: what third-party code prints to stdout (DeepSpeed's "... op built successfully") goes to stderr,
+    so that stdout carries only the --json output a script reads."""
+    return contextlib.redirect_stdout(sys.stderr)

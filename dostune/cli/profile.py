@@ -1,7 +1,7 @@
 """`dostune profile`: measure the node (and, with --model, a model on it)."""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -9,10 +9,11 @@ import typer
 from rich.table import Table
 
 from ..errors import DostuneError
-from ..profile.node import NodeProfileOptions, measure_node
-from ..profile.record import node_profile_schema, save_record
+from ..profile.identity import gpu_info
+from ..profile.node import NodeProfileOptions, default_name, measure_node
+from ..profile.record import check_writable, node_profile_schema, save_record
 from ..profile.summary import summary_rows
-from .common import RichProgress, err_console, handle_errors, print_json
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int]]:
@@ -44,12 +45,12 @@ def profile(
     name: Optional[str] = typer.Option(None, help="Label for this node, e.g. h100-pcie5. Default: derived from the GPU."),
     repeats: int = typer.Option(5, min=1, help="Timed repeats per measurement; medians and min-max spread are kept."),
     device: int = typer.Option(0, min=0, help="CUDA device index to profile."),
-    quick: bool = typer.Option(False, help="Tiny sizes, 2 repeats: a smoke test in seconds, not a usable profile."),
+    quick: bool = flag(False, "--quick", help="Tiny sizes, 2 repeats: a smoke test in seconds, not a usable profile."),
     dtype: str = typer.Option("bf16", help="Half precision the model trains in: bf16 or fp16 (conversion cost)."),
     cpu_adam_threads: Optional[str] = typer.Option(None, help="Comma-separated OpenMP thread counts for CPU Adam. "
                                                    "Default: 1, cores/4, cores/2, 3*cores/4, cores."),
     copy_sizes_mib: Optional[str] = typer.Option(None, help="Comma-separated copy sizes in MiB. Default: 4,16,64,256,1024."),
-    no_contention: bool = typer.Option(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
+    no_contention: bool = flag(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
     model: Optional[str] = typer.Option(None, help="Profile this model instead of the node: a preset (e.g. "
                                         "gpt2-1.3b), hf:config.json, or package.module:factory."),
     micro_batch: int = typer.Option(8, min=1, help="With --model: micro-batch size."),
@@ -58,12 +59,12 @@ def profile(
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="With --model: "
-                                                  "checkpoint every transformer block (recompute its activations "
-                                                  "in backward), as a run whose config has the section would."),
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output file."),
-    json_out: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
-    schema: bool = typer.Option(False, "--schema", help="Print the profile's JSON schema and exit."),
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
+                                          "checkpoint every transformer block (recompute its activations "
+                                          "in backward), as a run whose config has the section would."),
+    force: bool = flag(False, "--force", "-f", help="Overwrite an existing output file."),
+    json_out: bool = flag(False, "--json", help="Print the profile as JSON on stdout."),
+    schema: bool = flag(False, "--schema", help="Print the profile's JSON schema and exit."),
 ):
     """Measure this node and write a versioned JSON profile.
 
@@ -80,14 +81,12 @@ def profile(
     file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.
 
     Examples:
-      dostune profile --name h100-pcie5 --output profiles/h100-pcie5.json
+      dostune profile --name mynode --output runs/profiles/mynode.json
       dostune profile --model gpt2-1.3b --micro-batch 8 --seq 1024 --plot memory.png
     """
     if schema:
         print_json(node_profile_schema())
         return
-    if output is not None and output.exists() and not force:
-        raise DostuneError(f"{output} already exists; pass --force to overwrite it or choose another --output")
     if model is not None:
         _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
                        activation_checkpointing)
@@ -98,11 +97,11 @@ def profile(
     opts.cpu_adam_threads = _parse_sizes(cpu_adam_threads, 1, "--cpu-adam-threads") or opts.cpu_adam_threads
     opts.copy_sizes_bytes = _parse_sizes(copy_sizes_mib, 1 << 20, "--copy-sizes-mib") or opts.copy_sizes_bytes
     opts.validate()
-    with RichProgress() as progress:
+    # Everything that can refuse the output refuses it now: measuring takes minutes on a GPU node.
+    path = _output_path(output, force, lambda: f"{opts.name or default_name(gpu_info(device))}.json")
+    need_deepspeed("dostune profile")
+    with RichProgress() as progress, quiet_stdout():
         prof = measure_node(opts, progress)
-    path = output or Path("runs/profiles") / f"{prof.name}.json"
-    if output is None and path.exists() and not force:
-        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
     save_record(prof, path)
     err_console.print(render_profile(prof))
     for note in prof.notes:
@@ -110,6 +109,14 @@ def profile(
     err_console.print(f"profile written to [bold]{path}[/]")
     if json_out:
         print_json(prof)
+
+
+def _output_path(output: Optional[Path], force: bool, default_name) -> Path:
+    """The file the profile goes to, checked before any measuring: not there yet (or --force), and writable."""
+    path = output or Path("runs/profiles") / default_name()
+    if path.exists() and not path.is_dir() and not force:
+        raise DostuneError(f"{path} already exists", hint="pass --force to overwrite it or choose another --output")
+    return check_writable(path, "--output")
 
 
 def render_model_profile(p) -> Table:
@@ -126,17 +133,31 @@ def render_model_profile(p) -> Table:
 
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
                    activation_checkpointing=False):
-    from ..profile.model import ModelProfileOptions, default_model_profile_name, measure_model, plot_memory_timeline
+    from ..models.registry import resolve_model
+    from ..profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                sub_group_size=sub_group_size, iters=iters, node=node,
                                activation_checkpointing=activation_checkpointing)
-    with RichProgress() as progress:
+    opts.validate()
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}")
+    spec = resolve_model(model)
+    if spec.max_seq is not None and seq > spec.max_seq:
+        raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions")
+
+    def default_name() -> str:
+        # the name `dostune tune` looks for beside the node profile (profile/model.py default_model_profile_name)
+        gpu = gpu_info(0)
+        label = (node or (gpu.name if gpu else f"cpu-{os.cpu_count()}c")).replace(" ", "-").lower()
+        return f"{label}-{model}-b{micro_batch}-s{seq}.json"
+
+    path = _output_path(output, force, default_name)
+    if plot is not None:
+        check_writable(plot, "--plot")
+    need_deepspeed("dostune profile --model")
+    with RichProgress() as progress, quiet_stdout():
         prof = measure_model(opts, progress)
-    path = output or Path("runs/profiles") / default_model_profile_name(node or prof.node.replace(" ", "-").lower(),
-                                                                         prof)
-    if output is None and path.exists() and not force:
-        raise DostuneError(f"{path} already exists; pass --force to overwrite it or choose another --output")
     save_record(prof, path)
     err_console.print(render_model_profile(prof))
     ready = [s.grad_ready_s for s in prof.subgroups if s.grad_ready_s is not None]

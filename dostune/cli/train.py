@@ -7,8 +7,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..train.loop import Interrupted, TrainOptions, train as run_train
-from .common import err_console, handle_errors, print_json
+from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
+from .common import err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 @handle_errors
@@ -19,27 +19,29 @@ def train(
     model: str = typer.Option("gpt2-1.3b", help="Model preset, hf:config.json, or package.module:factory."),
     steps: int = typer.Option(100, min=1, help="Optimizer steps to reach (a resumed run continues up to it)."),
     seq: int = typer.Option(1024, min=1, help="Sequence length."),
-    data: Optional[Path] = typer.Option(None, help="A text file or a folder of text files (tokenised with a "
-                                        "byte-level tokenizer, or --tokenizer). Default: seeded synthetic tokens."),
-    tokenizer: Optional[Path] = typer.Option(None, help="A `tokenizers` JSON file for --data."),
+    data: Optional[Path] = typer.Option(None, exists=True, help="A text file or a folder of text files (tokenised "
+                                        "with a byte-level tokenizer, or --tokenizer). Default: seeded synthetic "
+                                        "tokens."),
+    tokenizer: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
+                                             help="A `tokenizers` JSON file for --data."),
     seed: int = typer.Option(0, help="Seed for the weights and the batches."),
     save_dir: Optional[Path] = typer.Option(None, help="Checkpoint folder (DeepSpeed's format, one tag per save)."),
     save_every: int = typer.Option(0, min=0, help="Save every N steps (0: only at the end and on Ctrl-C)."),
-    resume: bool = typer.Option(False, help="Continue from the latest checkpoint in --save-dir, bit-exactly."),
+    resume: bool = flag(False, "--resume", help="Continue from the latest checkpoint in --save-dir, bit-exactly."),
     log_every: int = typer.Option(10, min=1, help="Print a line every N steps (the progress bar updates always)."),
     metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
                                            "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
-    plain_deepspeed: bool = typer.Option(False, help="Ignore the config's dostune section (DeepSpeed's own update)."),
-    deterministic: bool = typer.Option(False, help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
+    plain_deepspeed: bool = flag(False, "--plain-deepspeed", help="Ignore the config's dostune section (DeepSpeed's own update)."),
+    deterministic: bool = flag(False, "--deterministic", help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
                                        "kernels (flash attention's) accumulate in a varying order, so without "
                                        "this a resumed run drifts from an uninterrupted one in the last bits; "
                                        "with it the H100 reproduced 100 resumed steps of gpt2-1.3b bit for bit. "
                                        "On a CPU runs are exact anyway."),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Checkpoint every "
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="Checkpoint every "
                                                   "transformer block (recompute its activations in backward) even "
                                                   "if the config has no activation_checkpointing section (with one, "
                                                   "it is on anyway)."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout at the end."),
+    json_out: bool = flag(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
 
@@ -63,6 +65,8 @@ def train(
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
                         plain_deepspeed=plain_deepspeed, deterministic=deterministic,
                         activation_checkpointing=activation_checkpointing)
+    need_deepspeed("dostune train")
+    check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
     with progress:
@@ -76,7 +80,8 @@ def train(
             if rank0 and (r.step % log_every == 0 or r.step == steps):
                 progress.console.print(f"step {r.step:>6}  {info}", highlight=False)
 
-        summary = run_train(opts, on_step=on_step)
+        with quiet_stdout():
+            summary = run_train(opts, on_step=on_step)
     if rank0:
         err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
                           f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))

@@ -11,8 +11,12 @@ from rich.table import Table
 from ..bench.report import plot_timeline
 from ..profile.record import atomic_write_text, save_record
 from ..tune.record import TuneResult
-from ..tune.search import SAMPLERS, TuneOptions, run_tune
-from .common import RichProgress, err_console, handle_errors, print_json
+from ..errors import NotAvailable
+from ..profile.identity import cuda_available
+from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
+from ..tune.search import output_dir as tune_output_dir
+from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
+                     quiet_stdout)
 
 
 def _f(x, fmt="{:.3f}"):
@@ -81,8 +85,9 @@ def tune(
     seed: int = typer.Option(0, help="Sampler seed."),
     gpu_memory_budget: str = typer.Option("auto", help="GiB the schedule may stage on the GPU during the step; "
                                           "'auto' = the free memory the model profile measured in the step."),
-    max_peak_increase: float = typer.Option(0.10, min=0.0, help="Predicted peak GPU memory may exceed ZeRO-Offload's "
-                                            "measured peak by at most this fraction."),
+    max_peak_increase: str = typer.Option("10%", help="Predicted peak GPU memory may exceed ZeRO-Offload's "
+                                          "measured peak by at most this much: a percentage (10%) or a fraction "
+                                          "(0.1)."),
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Micro-batch (default: the model profile's)."),
     precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
     lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
@@ -100,10 +105,10 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
                                  "report measured against predicted."),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="The emitted config "
+    activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="The emitted config "
                                                   "checkpoints every transformer block (DeepSpeed's "
                                                   "activation_checkpointing section); profile the model with it too."),
-    json_out: bool = typer.Option(False, "--json", help="Print the tuning result as JSON on stdout."),
+    json_out: bool = flag(False, "--json", help="Print the tuning result as JSON on stdout."),
 ):
     """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
 
@@ -115,21 +120,29 @@ def tune(
     With --for trainer or --for accelerate the same config carries "auto" where the Hugging Face Trainer or
     Accelerate fill values in (docs/hf.md).
 
-    Example: dostune tune --profile profiles/h100-pcie5.json --model gpt2-1.3b --trials 50
+    Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
-                       seed=seed, gpu_memory_budget=gpu_memory_budget, max_peak_increase=max_peak_increase,
+                       seed=seed, gpu_memory_budget=gpu_memory_budget,
+                       max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
                        storage=storage, study_name=study_name, target=target,
                        activation_checkpointing=activation_checkpointing)
+    check_options(opts)
+    if validate:
+        if not cuda_available():
+            raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU",
+                               hint="leave out --validate on this machine")
+        need_deepspeed("dostune tune --validate")
     with RichProgress() as progress:
         res, ds_config, space = run_tune(opts, progress)
         if validate:
             from ..tune.validate import validate as run_validation
 
-            res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
-                                            activation_checkpointing=activation_checkpointing)
-    out = Path(opts.output_dir or Path("runs") / "tune" / model)
+            with quiet_stdout():
+                res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
+                                                activation_checkpointing=activation_checkpointing)
+    out = tune_output_dir(opts)
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")
     best = res.best
@@ -142,7 +155,7 @@ def tune(
                         f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
                         "subgroups on the GPU")
     for note in res.notes:
-        err_console.print(f"[yellow]note:[/] {note}")
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     err_console.print(render_trials(res))
     err_console.print(render_breakdown(res))
     if res.validation:

@@ -10,6 +10,7 @@ say so plainly otherwise. ``dostune profile --schema`` prints the JSON schema; s
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -18,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ProfileError
+from ..errors import DostuneError, ProfileError
 from ..stats import Stat, linear_fit
 
 NODE_SCHEMA_VERSION = 1
@@ -176,14 +177,15 @@ class NodeProfile(_Record):
 
 
 def _format_validation_error(path: str, err: ValidationError) -> str:
-    lines = []
-    for e in err.errors()[:8]:
+    """One line: the file and its first problems (a message that wraps is still one line in a log)."""
+    problems = []
+    for e in err.errors()[:4]:
         loc = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        lines.append(f"field '{loc}': {e['msg']}")
-    more = len(err.errors()) - 8
+        problems.append(f"field '{loc}': {e['msg']}")
+    more = len(err.errors()) - 4
     if more > 0:
-        lines.append(f"... and {more} more problem(s)")
-    return f"{path} is not a valid dostune profile:\n  " + "\n  ".join(lines)
+        problems.append(f"and {more} more problem(s)")
+    return f"{path} is not a valid dostune profile: " + "; ".join(problems)
 
 
 def read_json_record(path: str | os.PathLike, what: str) -> dict:
@@ -191,10 +193,22 @@ def read_json_record(path: str | os.PathLike, what: str) -> dict:
     p = Path(path)
     if not p.exists():
         raise ProfileError(f"{what} {p} does not exist")
+    if p.is_dir():
+        raise ProfileError(f"{what} {p} is a directory, not a JSON file")
     try:
-        data = json.loads(p.read_text())
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ProfileError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    if not raw.strip():
+        raise ProfileError(f"{what} {p} is empty")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProfileError(f"{what} {p} is not a JSON text file (it holds binary data)") from None
     except json.JSONDecodeError as e:
         raise ProfileError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise ProfileError(f"{p} is nested too deeply to be a {what}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{p} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -209,9 +223,12 @@ def check_version(data: dict, path, kind: str, version: int) -> None:
         raise ProfileError(f"{path}: field 'schema_version' is missing; is this a dostune {kind} file?")
     if v != version:
         older = isinstance(v, int) and v < version
-        raise ProfileError(
-            f"{path}: field 'schema_version' is {v!r}, this dostune reads version {version}"
-            + ("; the file is from an older dostune, re-run `dostune profile`" if older else ""))
+        newer = isinstance(v, int) and v > version
+        raise ProfileError(f"{path}: field 'schema_version' is {v!r}, this dostune reads version {version}"
+                           + (" (the file is from an older dostune)" if older else
+                              " (the file is from a newer dostune)" if newer else ""),
+                           hint="make the file again with this dostune" if older else
+                           "upgrade dostune to read it" if newer else None)
 
 
 def load_node_profile(path: str | os.PathLike) -> NodeProfile:
@@ -223,17 +240,60 @@ def load_node_profile(path: str | os.PathLike) -> NodeProfile:
         raise ProfileError(_format_validation_error(str(path), e)) from None
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write via a temporary file and rename, so an interrupted write never leaves half a file."""
+@functools.lru_cache(maxsize=1)
+def _file_mode() -> int:
+    """The mode a plain open() would give a new file: 0666 less the umask (mkstemp's 0600 is for secrets). Read
+    once: reading the umask means setting it, which another thread creating a file at that moment would see."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def check_writable(path: str | os.PathLike, what: str, *, directory: bool = False) -> Path:
+    """Fail now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written: it is
+    the wrong kind of thing, lies under a file, or its nearest existing folder refuses a new file. Creates
+    nothing that stays behind (a probe file is made and removed)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    if p.exists():
+        if directory and not p.is_dir():
+            raise DostuneError(f"{what} {p} is a file, not a folder", hint="give a folder path")
+        if not directory and p.is_dir():
+            raise DostuneError(f"{what} {p} is a folder, not a file", hint="give a file path inside it")
+    folder = p if directory else p.parent
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise DostuneError(f"{what} {p} cannot be created: {existing} is a file, not a folder",
+                           hint="choose a path whose folders are folders")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dostune-write-check.", dir=existing)
+    except OSError as e:
+        raise DostuneError(f"{what} {p} cannot be written: {e.strerror or e} in {existing}",
+                           hint="choose a path in a folder you can write to") from None
+    os.close(fd)
+    os.unlink(probe)
+    return p
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write via a temporary file next to ``path`` and rename, so an interrupted write never leaves half a
+    file. The file gets the usual mode (0644 under the common umask)."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    except OSError as e:
+        raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
         raise
     return p
 

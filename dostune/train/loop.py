@@ -14,9 +14,11 @@ import torch
 from .._version import __version__
 from ..dsconfig import activation_checkpointing, with_activation_checkpointing
 from ..errors import ConfigError, DostuneError
-from ..models.registry import loss_of, resolve_model
+from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
-from ..profile.record import read_json_record
+from ..deepspeed_support import check_deepspeed
+from ..profile.record import check_writable, read_json_record
+from ..tune.refit import check_fits
 from .data import make_data
 from .engine import build_engine, free_engine_memory
 
@@ -146,7 +148,9 @@ def _resume(engine, save_dir: Path) -> int:
     return int(client["step"])
 
 
-def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = None) -> TrainSummary:
+def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
+    """Everything train() can refuse before building the engine (which takes minutes for a large model),
+    refused now: the config and its schedule against the model, the paths, the DeepSpeed release."""
     if opts.steps < 1:
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
@@ -160,6 +164,18 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
         raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
+    check_deepspeed("dostune train")
+    if opts.save_dir is not None:
+        check_writable(opts.save_dir, "--save-dir", directory=True)
+    if opts.metrics is not None:
+        check_writable(opts.metrics, "--metrics")
+    if not opts.plain_deepspeed:
+        check_fits(cfg, spec, str(opts.config), int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg, spec
+
+
+def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = None) -> TrainSummary:
+    cfg, spec = check_options(opts)
     data = make_data(spec, opts.data, opts.tokenizer, opts.seed)
     if opts.deterministic:
         use_deterministic_kernels()

@@ -21,7 +21,7 @@ from ..perfmodel.subgroups import param_numels
 from ..profile.identity import cuda_available
 from ..profile.model_record import ModelProfile, load_model_profile
 from ..profile.paths import shipped_profile
-from ..profile.record import NodeProfile, load_node_profile
+from ..profile.record import NodeProfile, check_writable, load_node_profile
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
 from .space import UPLOADS, Candidate, Space
@@ -57,7 +57,9 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
         node_path = Path(opts.profile)
     elif not cuda_available():
         node_path = shipped_profile()
-        opts.notes.append(f"no --profile given on a machine without a GPU: using the shipped H100 profile {node_path}")
+        opts.notes.append(f"no --profile given and this machine has no GPU: tuning from the shipped H100 profile "
+                          f"{node_path} (the schedule splits the optimizer step between a GPU and its host, so it "
+                          "needs GPU and PCIe measurements that a profile of this machine cannot have)")
     else:
         raise DostuneError("no --profile given", hint="measure this node first: dostune profile --output node.json, "
                            "then dostune tune --profile node.json")
@@ -84,11 +86,19 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
     return node, node_path, model, model_path
 
 
-def _budget(opts: TuneOptions, m: ModelInputs) -> Optional[float]:
+def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_path: Path,
+            node_name: str) -> Optional[float]:
     if opts.gpu_memory_budget == "auto":
+        if model_path is None:
+            # the budget is only the first thing that needs the model profile: name what is missing
+            raise ProfileError(f"no model profile for {opts.model} on {node_name}: none given and no "
+                               f"{node_name}-{opts.model}-b*-s*.json beside {node_path}",
+                               hint=f"measure it on the GPU node (dostune profile --model {opts.model} --name "
+                                    f"{node_name}) and pass --model-profile, or give --gpu-memory-budget in GiB")
         if m.free_step_gib is None:
-            raise DostuneError("--gpu-memory-budget auto needs a model profile measured on the GPU "
-                               "(it is the free memory during the step)", hint="give a number of GiB instead")
+            raise ProfileError(f"model profile {model_path} was measured without a GPU, so the GPU memory free "
+                               "during the step is unknown", hint="profile the model on the GPU node, or give "
+                                                                  "--gpu-memory-budget in GiB")
         return m.free_step_gib
     try:
         value = float(opts.gpu_memory_budget)
@@ -111,7 +121,7 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
     else:
         m = ModelInputs(model=opts.model, params=sum(numels))
         prof_sub = None
-    budget = _budget(opts, m)
+    budget = _budget(opts, m, model_path, node_path, node_p.name)
     peak_limit = None
     if opts.max_peak_increase is not None and m.offload_peak_gib is not None:
         peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
@@ -172,8 +182,15 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(logging.WARNING)
-    study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
-                                sampler=_sampler(opts.sampler, opts.seed), load_if_exists=True)
+    try:
+        study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize",
+                                    sampler=_sampler(opts.sampler, opts.seed), load_if_exists=True)
+    except DostuneError:
+        raise
+    except Exception as e:  # SQLAlchemy's OperationalError (not a database, locked, unreachable server) and kin
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DostuneError(f"cannot open the study storage {storage}: {type(e).__name__}: {first[:200]}",
+                           hint="pass another --storage or --output-dir, or delete a damaged study.db") from None
     stored = study.user_attrs.get("problem")
     if stored is not None and stored != problem_key:
         raise DostuneError(f"study '{study_name}' in {storage} was made for other profiles or limits",
@@ -247,11 +264,56 @@ def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, c
                      target)
 
 
-def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
-    progress = progress or NullProgress()
+def output_dir(opts: TuneOptions) -> Path:
+    return Path(opts.output_dir or Path("runs") / "tune" / opts.model.replace(":", "_"))
+
+
+OUTPUT_FILES = ("ds_config.json", "tune.json", "timeline.png")
+
+
+def check_options(opts: TuneOptions) -> None:
+    """Everything about the options that can be refused without the profiles, refused before any work."""
     if opts.trials < 1:
         raise DostuneError(f"--trials must be at least 1, got {opts.trials}")
-    check_target(opts.target)  # before the search, not after it
+    check_target(opts.target)
+    if opts.precision is not None and opts.precision not in ("bf16", "fp16", "fp32"):
+        raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {opts.precision!r}")
+    if opts.sampler not in SAMPLERS:
+        raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {opts.sampler!r}")
+    if opts.max_peak_increase is not None and not opts.max_peak_increase >= 0:
+        raise DostuneError(f"--max-peak-increase must be 0 or more, got {opts.max_peak_increase}")
+    if not opts.lr > 0:
+        raise DostuneError(f"--lr must be positive, got {opts.lr}")
+    if not opts.clip >= 0:
+        raise DostuneError(f"--clip must be 0 (off) or positive, got {opts.clip}")
+    out = check_writable(output_dir(opts), "--output-dir", directory=True)
+    for name in OUTPUT_FILES:
+        check_writable(out / name, "--output-dir")
+    if opts.storage is not None:
+        _check_storage(opts.storage)
+
+
+def _check_storage(url: str) -> None:
+    """An Optuna storage URL that can be opened: a sqlite file in a writable folder, or a database URL that
+    SQLAlchemy knows (a bad one otherwise fails deep inside SQLAlchemy)."""
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if path and path != ":memory:":
+            check_writable(Path(path), "--storage")
+        return
+    try:
+        from sqlalchemy.engine import make_url
+
+        make_url(url).get_dialect()
+    except Exception as e:  # ArgumentError, NoSuchModuleError, a missing driver (ImportError)
+        raise DostuneError(f"--storage {url!r} is not a database URL this installation can open "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                           hint="use sqlite:///path/study.db (the default is one in --output-dir)") from None
+
+
+def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
+    progress = progress or NullProgress()
+    check_options(opts)
     space, node_p, node_path, model_p, model_path, m = build_space(opts)
     micro_batch = opts.micro_batch or (model_p.micro_batch if model_p else 8)
     if model_p is not None and micro_batch != model_p.micro_batch:
@@ -262,7 +324,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         opts.notes.append("the emitted config checkpoints every block: the predicted times and memory hold if the "
                           "model profile was measured that way too (dostune profile --model ... "
                           "--activation-checkpointing)")
-    out_dir = Path(opts.output_dir or Path("runs") / "tune" / opts.model)
+    out_dir = output_dir(opts)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
     study_name = opts.study_name or f"{node_p.name}-{opts.model}-b{micro_batch}-v{SEARCH_SPACE_VERSION}"

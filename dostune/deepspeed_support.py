@@ -1,0 +1,62 @@
+"""Which DeepSpeed releases dostune runs on, checked when a command or ``dostune.initialize`` needs DeepSpeed.
+
+dostune's ZeRO-3 optimizer subclasses ``DeepSpeedZeroOptimizer_Stage3`` and overrides and calls private
+methods of it (dostune/optim), which DeepSpeed changes between releases without notice. A release outside the
+tested range may fail in the middle of a step or, worse, compute something else; so it is refused up front
+with one line, unless the user says otherwise through ``DOSTUNE_ALLOW_DEEPSPEED``.
+"""
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from typing import Optional
+
+from .errors import DostuneError
+
+#: The DeepSpeed releases dostune is tested with, inclusive (pyproject.toml pins the same; a test checks).
+TESTED_DEEPSPEED = ("0.19.8", "0.19.8")
+#: Set to ``any`` (or to the installed version) to run on an untested DeepSpeed at your own risk.
+ALLOW_ENV = "DOSTUNE_ALLOW_DEEPSPEED"
+
+
+def installed_deepspeed() -> Optional[str]:
+    """The installed DeepSpeed's version, read from its metadata (without importing it), or None."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def tested_range() -> str:
+    lo, hi = TESTED_DEEPSPEED
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _in_range(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return False
+    lo, hi = (Version(x) for x in TESTED_DEEPSPEED)
+    # a local or post build of a tested release (0.19.8+cu124) carries the same code
+    return lo <= Version(v.base_version) <= hi
+
+
+def check_deepspeed(purpose: str = "dostune") -> Optional[str]:
+    """Raise a one-line DostuneError if DeepSpeed is missing or outside the tested range; return a note to show
+    when the range was overridden through DOSTUNE_ALLOW_DEEPSPEED, else None."""
+    version = installed_deepspeed()
+    pin = f"pip install deepspeed=={TESTED_DEEPSPEED[1]}"
+    if version is None:
+        raise DostuneError(f"{purpose} needs DeepSpeed, which is not installed", hint=pin)
+    if _in_range(version):
+        return None
+    allowed = os.environ.get(ALLOW_ENV, "").strip()
+    if allowed in ("any", version):
+        return (f"DeepSpeed {version} is outside dostune's tested range ({tested_range()}); running anyway "
+                f"because {ALLOW_ENV}={allowed}")
+    raise DostuneError(f"DeepSpeed {version} is installed but {purpose} is tested with DeepSpeed {tested_range()} "
+                       "only (it replaces private ZeRO-3 optimizer methods that change between releases)",
+                       hint=f"{pin}, or set {ALLOW_ENV}={version} to run at your own risk")
