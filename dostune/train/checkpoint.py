@@ -18,7 +18,7 @@ import torch
 
 from .._version import __version__
 from ..errors import DostuneError
-from .faults import agree
+from .faults import agree, describe
 
 
 class CheckpointError(DostuneError):
@@ -115,7 +115,8 @@ def save(engine, save_dir: Path, step: int, seed: int) -> str:
     need = expected_bytes(engine, save_dir)
     free = free_bytes(save_dir)
     if agree(max(0, need - free), engine.device) > 0:
-        whose = "" if need > free else f"another rank's filesystem is short ({_gib(need)} needed here, {_gib(free)} free); "
+        whose = "" if need > free else \
+            f"another rank's filesystem is short ({_gib(need)} needed here, {_gib(free)} free); "
         raise CheckpointError(f"not enough space for checkpoint {folder}: {whose}it needs about {_gib(need)}, "
                               f"{_gib(free)} free; nothing was written, {kept}")
     if folder.exists() and _is_writer(engine):
@@ -153,6 +154,11 @@ def save(engine, save_dir: Path, step: int, seed: int) -> str:
         failure.append(e)
     finally:
         del ckpt_engine.save, engine._copy_recovery_script  # back to the class's methods
+    if not failure:
+        try:
+            _fsync(str(folder))  # the new files' names
+        except OSError as e:
+            failure.append(e)
 
     if not agree(int(bool(failure)), engine.device):
         try:
@@ -165,11 +171,7 @@ def save(engine, save_dir: Path, step: int, seed: int) -> str:
 
     if _is_writer(engine):
         shutil.rmtree(folder, ignore_errors=True)
-    if failure:
-        e = failure[0]
-        cause = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-    else:
-        cause = "another rank's write failed"
+    cause = describe(failure[0]) if failure else "another rank's write failed"
     raise CheckpointError(f"could not write checkpoint {folder} ({cause}): it needs about {_gib(need)}, "
                           f"{_gib(free_bytes(save_dir))} free; removed the partial folder, {kept}")
 

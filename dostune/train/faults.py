@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -104,6 +105,16 @@ def is_lost_rank_error(e: BaseException) -> bool:
     if dist_error is not None and isinstance(e, dist_error):
         return True
     return isinstance(e, RuntimeError) and any(p in str(e) for p in _LOST_PHRASES)
+
+
+def describe(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line`` of an exception, without the C++ source locations torch and gloo put in brackets
+    ("[/…/gloo/transport/tcp/pair.cc:553] Connection closed by peer", "[enforce fail at inline_container.cc:672] .
+    unexpected pos"): they mean nothing to a user, and the CLI's console would read them as markup."""
+    line = (str(e).splitlines() or [""])[0]
+    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|c|h|hpp):\d+\]\s*\.?\s*", "", line).replace("[", "(").replace("]", ")")
+    line = line.strip().split(". ")[0]  # gloo goes on with advice for PyTorch's own launcher
+    return f"{type(e).__name__}: {line[:limit]}"
 
 
 def lost_rank_message(rank: int, what: str, latest: Optional[str], resume_command: Optional[str]) -> str:

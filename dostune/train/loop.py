@@ -17,8 +17,8 @@ from ..profile.record import read_json_record
 from .checkpoint import load_latest, read_latest, save
 from .data import make_data
 from .engine import build_engine, free_engine_memory
-from .faults import (RankLost, StepWatchdog, StopSignals, agree_stop, default_rank_timeout, is_lost_rank_error,
-                     lost_rank_message, stop_exit_code)
+from .faults import (RankLost, StepWatchdog, StopSignals, agree_stop, default_rank_timeout, describe,
+                     is_lost_rank_error, lost_rank_message, stop_exit_code)
 
 
 class Interrupted(DostuneError):
@@ -188,8 +188,7 @@ def _run(engine, opts: TrainOptions, data, stop: StopSignals, on_step) -> TrainS
                 checkpoint(summary.last_step)
     except Exception as e:
         if world > 1 and is_lost_rank_error(e):
-            raise RankLost(lost(f"a collective failed after step {summary.last_step} "
-                                f"({(str(e).splitlines() or [''])[0][:160]})")) from None
+            raise RankLost(lost(f"a collective failed after step {summary.last_step} ({describe(e, 160)})")) from None
         raise
     finally:
         if metrics_f is not None:
