@@ -91,7 +91,8 @@ def train(
         if rank0 and latest:  # its own line, unwrapped, to copy from a terminal or a job's log
             err_console.print(f"resume with: {opts.resume_command}", soft_wrap=True, highlight=False, markup=False)
         raise Interrupted(f"stopped by {signal.Signals(summary.stop_signal).name} after step {summary.last_step}"
-                          + (f"; checkpoint {save_dir / latest}" if latest else " (no --save-dir, nothing saved)"),
+                          + (f"; checkpoint {save_dir / latest}" if latest else
+                             "; nothing saved" + ("" if save_dir else " (no --save-dir)")),
                           summary.stop_signal)
 
 
