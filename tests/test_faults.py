@@ -52,13 +52,12 @@ def test_cli_sigusr1_exit_code_and_the_printed_resume_command(tmp_path, uninterr
     cfg = write_config(tmp_path)
     one_step = loop._one_step
 
-    def then_signal(engine, data, step, *a):
-        rec = one_step(engine, data, step, *a)
-        if step + 1 == 3:
+    def signal_in_step_3(engine, data, step, *a):
+        if step + 1 == 3:  # as the step begins: it must still run whole
             os.kill(os.getpid(), signal.SIGUSR1)
-        return rec
+        return one_step(engine, data, step, *a)
 
-    monkeypatch.setattr(loop, "_one_step", then_signal)
+    monkeypatch.setattr(loop, "_one_step", signal_in_step_3)
     args = ["--config", str(cfg), "--model", "gpt2-tiny", "--steps", str(STEPS), "--seq", "16",
             "--save-dir", str(tmp_path / "ckpt")]
     r = CliRunner().invoke(app, ["train", *args])
