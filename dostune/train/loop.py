@@ -118,11 +118,6 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
         raise DostuneError("--resume needs --save-dir (where the checkpoints are)")
-    latest = read_latest(Path(opts.save_dir)) if opts.save_dir is not None else None
-    if not opts.resume and latest is not None:
-        # A fresh run would overwrite the step tags of an earlier one and mix their histories.
-        raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as they are",
-                           hint="pass --resume to continue that run, or choose another --save-dir")
     cfg = load_ds_config(Path(opts.config))
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
@@ -130,6 +125,11 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
     check_deepspeed("dostune train")
     if opts.save_dir is not None:
         check_writable(opts.save_dir, "--save-dir", directory=True)
+        latest = read_latest(Path(opts.save_dir))
+        if not opts.resume and latest is not None:
+            # A fresh run would overwrite the step tags of an earlier one and mix their histories.
+            raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as "
+                               "they are", hint="pass --resume to continue that run, or choose another --save-dir")
     if opts.metrics is not None:
         check_writable(opts.metrics, "--metrics")
     if not opts.plain_deepspeed:
