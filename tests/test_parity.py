@@ -272,10 +272,9 @@ def checkpoint_into_running_engine(tmp_path, pin_memory: bool = False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("early_norm", [True, False])
-def test_every_parameter_is_released_after_a_step_and_a_skipped_step(early_norm):
-    # The step computes the gradient norm before DeepSpeed's release of the gathered parameters (early_norm), so the
-    # lanes run while the host releases them; the release must still happen on every path, the skipped step's too.
+def test_every_parameter_is_released_after_a_step_and_a_skipped_step():
+    # The step computes the gradient norm before DeepSpeed's release of the gathered parameters, so the lanes run
+    # while the host releases them; the release must still happen on every path, the skipped step's too.
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from dostune.models.registry import loss_of
@@ -284,7 +283,6 @@ def test_every_parameter_is_released_after_a_step_and_a_skipped_step(early_norm)
     # persistence threshold 0: else every parameter of this small model is persistent, never gathered or released
     spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap-resident"],
                                zero_overrides={"stage3_param_persistence_threshold": 0})
-    engine.optimizer._dos.early_norm = early_norm
     gen = torch.Generator().manual_seed(1)
     try:
         for step, scale in enumerate((1.0, float("inf"), 1.0)):
@@ -314,10 +312,10 @@ def test_step_phases_time_the_steps_parts_and_leave_out_skipped_steps():
     spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap-resident"],
                                zero_overrides={"stage3_param_persistence_threshold": 0})
     opt = engine.optimizer
-    assert opt._dos.early_norm and opt.dostune_step_phases == {}
+    assert opt.dostune_step_phases == {}
     release = opt._partition_all_parameters
 
-    def slow_release():  # the release runs beside the lanes (early_norm): its time is queue_and_host_work's
+    def slow_release():  # the release runs beside the lanes: its time is queue_and_host_work's
         time.sleep(0.05)
         release()
     gen = torch.Generator().manual_seed(1)

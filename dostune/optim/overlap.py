@@ -25,7 +25,6 @@ low-priority CUDA stream as each subgroup finishes.
 """
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -109,31 +108,10 @@ class BackwardOverlap:
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
         self._tasks: queue.Queue = queue.Queue()
-        # Stop speculating once the partial norm makes clipping certain (off only in tests of the redo path).
+        # Stop speculating once the partial norm makes clipping certain. A test seam, not an experiment: the parity
+        # tests turn it off so that every subgroup speculates and the recompute path runs on a model whose first
+        # subgroup already clips.
         self.partial_norm_cutoff = True
-        # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
-        # kernel runs at 3.6-4.1 G elements/s with them, 2.9-3.3 without (scripts/device-cpu-kernel.py); gpt2-1.3b on
-        # alternate iterations of one engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without
-        # (results/README.md, nt-gpt2-1.3b). Off only for A/B.
-        self.nontemporal = True
-        self.fast_switch = True  # see LANE_SWITCH_INTERVAL_S; off only for A/B
-        # Off: every update waits for the step (to measure what the CPU lane's work costs backward; A/B only).
-        self.speculate = True
-        # At most this many subgroups are updated speculatively in a step (None: all that allow it); the others wait
-        # for the step. A/B only: on the H100 with gpt2-1.3b, capping 26 CPU-lane subgroups at 12 took 27 ms off
-        # backward and put 70 ms on the step (results/h100/backward-interference-gpt2-1.3b).
-        self.max_speculative: Optional[int] = None
-        # Keep the thread that runs backward's hooks (which paces a host-bound ZeRO-3 backward) on a CPU of its own
-        # and the CPU lane's threads on the others while backward runs; in the step the lane uses every CPU. A/B
-        # only: on the H100 node (16 vCPUs of a shared host) it lengthened backward, 0.267 -> 0.283 s, and with 12
-        # CPU-lane threads 0.241 -> 0.267 s (alternate iterations of one engine, results/h100/pin-gpt2-1.3b).
-        self.pin_threads = False
-        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        # native ids of the threads pin_hook_thread restricted: backward's thread outlives the engine, so close()
-        # gives them every CPU back (a later engine in the process, e.g. the next method of a bench, must not
-        # inherit one CPU)
-        self._pinned_hooks: set[int] = set()
-        self._team_cpus: Optional[list[int]] = None  # what the worker's team was last restricted to
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -164,10 +142,9 @@ class BackwardOverlap:
         """Called at the first ready subgroup of a backward: fixes this step's Adam constants and whether
         (and up to which partial norm) speculation is allowed. ``spec_inv`` None: never speculate."""
         self.prepare()
-        self.spec_inv = spec_inv if self.speculate else None
+        self.spec_inv = spec_inv
         self.loss_scale = loss_scale
         self.clip_threshold = clip if clip > 0 else None
-        self.pin_hook_thread()
         self._ensure_thread()
         self._lane_busy(True)
 
@@ -217,38 +194,12 @@ class BackwardOverlap:
 
     def _lane_busy(self, busy: bool) -> None:
         """Shorten Python's GIL switch interval while the worker has work (see LANE_SWITCH_INTERVAL_S)."""
-        if busy and self.fast_switch and self._switch_interval is None:
+        if busy and self._switch_interval is None:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, LANE_SWITCH_INTERVAL_S))
         elif not busy and self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
-
-    def _can_pin(self) -> bool:
-        return len(self._cpus) >= 2
-
-    def pin_hook_thread(self) -> None:
-        """Restrict the calling thread (backward's, when called from its hooks) to the last allowed CPU if
-        ``pin_threads``, or give it back every CPU if an earlier call restricted it."""
-        if not self._can_pin():
-            return
-        tid = threading.get_native_id()
-        if self.pin_threads and tid not in self._pinned_hooks:
-            os.sched_setaffinity(0, self._cpus[-1:])
-            self._pinned_hooks.add(tid)
-        elif not self.pin_threads and tid in self._pinned_hooks:
-            os.sched_setaffinity(0, self._cpus)
-            self._pinned_hooks.discard(tid)
-
-    def _pin_team(self, in_backward: bool) -> None:
-        """Called by the worker before each update: its OpenMP team keeps off the hook thread's CPU while backward
-        runs (``pin_threads``); otherwise it may use every CPU (only changed back if it was ever restricted)."""
-        if not self._can_pin():
-            return
-        want = self._cpus[:-1] if (self.pin_threads and in_backward) else self._cpus
-        if want != self._team_cpus and (self._team_cpus is not None or want != self._cpus):
-            cpu_kernel.pin_team(max(self.threads_backward, self.threads_step), want)
-            self._team_cpus = want
 
     def shadow(self, i: int) -> Buffers:
         return self._shadows[i]
@@ -264,12 +215,6 @@ class BackwardOverlap:
 
     def close(self) -> None:
         self._lane_busy(False)
-        for tid in list(self._pinned_hooks):
-            try:
-                os.sched_setaffinity(tid, self._cpus)
-            except OSError:  # the thread has ended
-                pass
-            self._pinned_hooks.discard(tid)
         if self._thread is not None and self._thread.is_alive():
             self._tasks.put(("stop",))
             self._thread.join(timeout=60)
@@ -315,8 +260,6 @@ class BackwardOverlap:
     def _may_speculate(self, partial_sq) -> bool:
         if self.spec_inv is None or self._stop_speculating:
             return False
-        if self.max_speculative is not None and len(self._speculative) >= self.max_speculative:
-            return False
         if partial_sq is not None and self.partial_norm_cutoff and \
                 clipping_certain(partial_sq, self.loss_scale, self.clip_threshold):
             self._stop_speculating = True
@@ -361,11 +304,13 @@ class BackwardOverlap:
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
         half = self._half_buffer(k, n, io.half.dtype)
-        self._pin_team(in_backward=self._submitted is None)
         t0 = time.perf_counter()
+        # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
+        # kernel ran at 3.6-4.1 G elements/s with them, 2.9-3.3 without; gpt2-1.3b on alternate iterations of one
+        # engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without.
         cpu_kernel.adam_out_of_place(io.param, io.grad, io.exp_avg, io.exp_avg_sq, b.p, b.m, b.v,
                                      self.scalars[i], inv_scale=inv, half_out=half, threads=threads,
-                                     nontemporal=self.nontemporal)
+                                     nontemporal=True)
         t1 = time.perf_counter()
         self._spans.append(("cpu", i, t0, t1))
         if not self.cuda:

@@ -108,12 +108,6 @@ class _State:
     prefetched: dict[int, tuple] = field(default_factory=dict)
     bwd_watermark: Optional[int] = None
     slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
-    step_prefetch: bool = True  # off only for A/B measurements (scripts/device-profile-backward.py)
-    early_norm: bool = True  # likewise: off = DeepSpeed's order (release the parameters, then the norm)
-    raw_norm: bool = True  # likewise: off = DeepSpeed's own per-parameter norm in backward
-    gpu_grads_to_host: bool = False  # likewise: on = DeepSpeed's host copy of GPU-lane gradients in bf16/fp32 too
-    own_prefetch_event: bool = True  # likewise: off = a prefetched subgroup's update waits for all h2d copies queued
-    always_partial_norm: bool = False  # likewise: on = the running norm also where it cannot stop speculation
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # Host time of each step's parts (see dostune_step_phases): the marks of the step in progress, then a window of
     # finished steps. Why: on a slow H100 host the step took 170 ms while its lanes ended ~107 ms after they started.
@@ -461,8 +455,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
         # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
         # GPU lane holds the first layers) off the stream backward's end waits for.
-        skip = dos.gpu_set if (dos.schedule.grads_on_gpu and self.dtype != torch.float16
-                               and not dos.gpu_grads_to_host) else frozenset()
+        skip = dos.gpu_set if (dos.schedule.grads_on_gpu and self.dtype != torch.float16) else frozenset()
         buffers = []
         for param, grad_partition in zip(params_to_release, grad_partitions):
             if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
@@ -490,7 +483,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # DeepSpeed sums the norms of 250M-element pieces of bigger partitions: both left to its code.
         # Tensor.norm(2) is torch.functional.norm, Python that ends in torch.linalg.vector_norm(x, 2) for a strided
         # tensor: called directly here (the same kernel on the same input), without that Python on backward's path.
-        if not self._dos.raw_norm or get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
+        if get_norm_dtype() != torch.float64 or grad.numel() > 250_000_000:
             self.norm_for_param_grads[pid] = self._constant_buffered_norm2(grad)
             return
         flat = grad if grad.dim() == 1 else grad.reshape(-1)
@@ -607,7 +600,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # loss scaling produces on purpose but bf16/fp32 gradients almost never do; there its upkeep (a stack, a
         # reduction, a pinned copy per subgroup: ~0.2 ms each on the host thread that paces backward, measured
         # on the H100) buys nothing, and a rare overflow still skips the step exactly, only after speculating.
-        return self._dos.always_partial_norm or float(self.clip_grad) > 0 or self.dtype == torch.float16
+        return float(self.clip_grad) > 0 or self.dtype == torch.float16
 
     def _dostune_add_partial_norm(self, pids: frozenset) -> tuple:
         """Add a finalised subgroup's squared gradient norms (as DeepSpeed records them for its global norm) to
@@ -719,7 +712,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         40 ms for gpt2-1.3b on the H100), which used to leave the copy engines idle. Backward's activations are
         freed by now, so the slots do not raise peak memory. A skipped step drains and drops them."""
         dos = self._dos
-        if not dos.step_prefetch or dos.gpu_bwd is not None:
+        if dos.gpu_bwd is not None:
             return
         firsts = dos.plan.first_fills
         need_grads = not dos.schedule.grads_on_gpu
@@ -848,11 +841,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._pre_step()
         # DeepSpeed releases every gathered parameter first (_partition_all_parameters: ~50 ms of Python for
         # gpt2-1.3b on the H100, the GPU idle). It neither reads the gradients nor writes the partitions the lanes
-        # update, so the global norm comes first (early_norm) and the lanes run while the host releases the
-        # parameters; the values are the same either way.
-        release_after_norm = self._dos.early_norm
-        if not release_after_norm:
-            self._partition_all_parameters()
+        # update, so the global norm comes first and the lanes run while the host releases the parameters; the
+        # values are the same either way.
 
         # Same order as the parent: raw overflow first, then the global norm, then the loss-scale update
         # (which skips the step and clears gradients on overflow).
@@ -874,8 +864,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dos.reset_slots()
             if self._dos.overlap is not None:
                 self._dostune_finish_overlap(None, [])
-            if release_after_norm:
-                self._partition_all_parameters()
+            self._partition_all_parameters()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
 
@@ -883,8 +872,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.timers(OPTIMIZER_STEP_TIMER).start()
         self._dostune_sync_beta_powers()
         t0 = time.perf_counter()
-        self._dostune_update(self._combined_scale(scaled_global_grad_norm),
-                             self._partition_all_parameters if release_after_norm else None)
+        self._dostune_update(self._combined_scale(scaled_global_grad_norm), self._partition_all_parameters)
         self._dos.last_step_s = time.perf_counter() - t0
         self._dos.steps += 1
         self._dos.beta_step = int(self.optimizer.state[self.fp32_partitioned_groups_flat[0]]["step"])
@@ -1063,7 +1051,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if slot is None:
                 slot = dos.slots[idx] = self._dostune_new_slot(width, need_grads)
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
-            if early is not None and not need_grads and dos.own_prefetch_event:
+            if early is not None and not need_grads:
                 # Params and states came in during backward or DeepSpeed's prologue and nothing else is to copy:
                 # the update waits for this subgroup's own copies. An event recorded now would follow every copy
                 # queued on the h2d stream so far, i.e. all the prefetched slots (the H100 timeline of
