@@ -17,20 +17,12 @@ SCHEDULES = {
     "every-4th": ScheduleConfig(gpu_fraction=0.25, gpu_placement="spread", staging_buffers=1),
     "first-60pct": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2),
     "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3),
-    "prefetch": ScheduleConfig(gpu_fraction=0.5, gpu_placement="spread", prefetch_states=True),
-    "prefetch-all-gpu": ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True),
     "overlap": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True),
     # subgroup 0's states stay on the GPU lane's device; 1 and 2 stream through one slot
     "overlap-resident": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True,
                                        resident_subgroups=1, staging_buffers=1),
     "all-resident": ScheduleConfig(gpu_fraction=1.0, resident_subgroups=5, staging_buffers=1),
     "overlap-all-cpu": ScheduleConfig(gpu_fraction=0.0, overlap_backward=True, backward_cpu_threads=1),
-    # 3 GPU-lane subgroups (0, 1, 2), of which 2 and 1 are updated during backward
-    "overlap-gpu-bwd": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True,
-                                      backward_gpu_subgroups=2),
-    # one staging slot for the whole GPU lane: refilled during backward, and again in the step
-    "overlap-gpu-bwd-1slot": ScheduleConfig(gpu_fraction=0.6, gpu_placement="spread", overlap_backward=True,
-                                            backward_gpu_subgroups=3, staging_buffers=1),
 }
 
 
@@ -82,17 +74,13 @@ def test_grad_accumulation_and_lr_schedule():
 
 def no_partial_norm_cutoff(opt):
     opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
-    # The tiny test model frees no memory during backward: let the GPU lane's slots in regardless.
-    opt._dos.slot_watermark = False
 
 
-def lane_counts(schedule: str) -> tuple[int, int]:
-    """(CPU-lane subgroups, GPU-lane subgroups updated during backward) of a test schedule on the 5 subgroups."""
-    from dostune.optim.schedule import backward_gpu_order, make_plan
+def cpu_lane_count(schedule: str) -> int:
+    """CPU-lane subgroups of a test schedule on the 5 subgroups."""
+    from dostune.optim.schedule import make_plan
 
-    sched = SCHEDULES[schedule]
-    plan = make_plan(5, sched)
-    return len(plan.cpu_order), len(backward_gpu_order(plan, sched))
+    return len(make_plan(5, SCHEDULES[schedule]).cpu_order)
 
 
 def overflow_case(precision: str, schedule: str, **run_kw):
@@ -120,17 +108,11 @@ def overflow_case(precision: str, schedule: str, **run_kw):
     if precision == "fp16":
         assert ours["loss_scale"] < reference(train, steps=30)["loss_scale"]
     if adjust is not None:
-        cpu, gpu_bwd = lane_counts(schedule)
-        st = ours["overlap"]
-        assert st["committed"] == (30 - 2) * cpu
-        # every step's GPU-lane updates during backward are either swapped in or recomputed (clipping), except the
-        # two skipped steps', which are dropped
-        assert st.get("gpu_speculative", 0) == 30 * gpu_bwd
-        assert st.get("gpu_committed", 0) + st.get("gpu_redone", 0) == (30 - 2) * gpu_bwd
+        assert ours["overlap"]["committed"] == (30 - 2) * cpu_lane_count(schedule)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-gpu-bwd", "overlap-resident"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_steps_are_skipped_and_nothing_corrupted(precision, schedule):
     if precision == "fp16" and not _cpu_fp16_supported():
@@ -167,68 +149,6 @@ def test_overlap_recomputes_when_clipping_triggers(cutoff):
         assert st["speculative"] == st["redone"] == 0
     else:
         assert st["speculative"] == st["redone"] == 30 * 3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["overlap-gpu-bwd", "overlap-gpu-bwd-1slot"])
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_gpu_lane_during_backward_commits_or_recomputes(schedule, clip):
-    """clip 0.0: every update started during backward is committed; 0.05 (far below these gradient norms, cutoff
-    off so that all speculate): every one is recomputed in the step, from the untouched live state."""
-    train = base_settings(precision="bf16", clip=clip)
-    ours = run(train, SCHEDULES[schedule], steps=30, adjust=no_partial_norm_cutoff)
-    check(ours, reference(train, steps=30))
-    cpu, gpu_bwd = lane_counts(schedule)
-    st = ours["overlap"]
-    assert gpu_bwd >= 2 and st["gpu_speculative"] == 30 * gpu_bwd and st["committed"] == 30 * cpu
-    assert st["gpu_committed"] == (30 * gpu_bwd if clip == 0.0 else 0)
-    assert st["gpu_redone"] == (0 if clip == 0.0 else 30 * gpu_bwd)
-
-
-@pytest.mark.slow
-def test_gpu_lane_during_backward_stops_once_clipping_is_certain():
-    train = base_settings(precision="bf16", clip=0.05)
-    ours = run(train, SCHEDULES["overlap-gpu-bwd"], steps=10)
-    check(ours, reference(train, steps=10))
-    # the CPU lane's subgroups (3, 4) are final first; their partial norm already exceeds 0.05
-    assert ours["overlap"]["gpu_speculative"] == 0
-
-
-def test_backward_gpu_subgroups_needs_overlap_and_kept_gradients():
-    from dostune.errors import ConfigError
-
-    for bad, why in [({}, "needs overlap_backward"), ({"overlap_backward": True, "grads_on_gpu": False}, "grads_on_gpu"),
-                     ({"overlap_backward": True, "prefetch_states": True}, "prefetch_states false")]:
-        with pytest.raises(ConfigError, match=why):
-            ScheduleConfig.from_ds_config({"dostune": {"backward_gpu_subgroups": 1, **bad}})
-
-
-def test_states_are_prefetched_during_backward_and_released_after_the_step():
-    """The prefetch path must really run before the step (else the parity tests above would not cover it):
-    after backward the first staging slots already hold their subgroups' fp32 params and Adam states."""
-    from dostune.models.registry import loss_of
-    from parity_helpers import SEQ
-
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=True, trace=True)
-    spec, engine = tiny_engine(base_settings(precision="bf16"), sched, pin_memory=False)
-    opt = engine.optimizer
-    try:
-        for _ in range(2):  # the second iteration starts from states the first step wrote
-            batch = spec.batch(2, SEQ, torch.Generator().manual_seed(3), engine.device)
-            engine.backward(loss_of(engine(**batch)))
-            firsts = [gs.subgroup for gs in opt.dostune_plan.first_fills]
-            assert sorted(opt._dos.prefetched) == sorted(firsts) == [0, 1]
-            for gs in opt.dostune_plan.gpu_slots[:2]:
-                slot, fp32 = opt._dos.slots[gs.slot], opt.fp32_partitioned_groups_flat[gs.subgroup]
-                n, state = fp32.numel(), opt.optimizer.state[fp32]
-                assert torch.equal(slot["p"][:n], fp32.data)
-                assert torch.equal(slot["m"][:n], state["exp_avg"]) and torch.equal(slot["v"][:n], state["exp_avg_sq"])
-            engine.step()
-            assert not opt._dos.prefetched and not opt._dos.slots
-            early = [s for s in opt.dostune_last_trace if s.lane == "h2d" and s.subgroup in firsts]
-            assert len(early) == 2 and all(s.start < 0 for s in early)  # before the step began
-    finally:
-        engine.destroy()
 
 
 def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():

@@ -81,3 +81,9 @@ def test_resident_subgroups_come_first_and_use_no_slot():
         make_plan(6, ScheduleConfig(gpu_fraction=0.5, resident_subgroups=4))
     with pytest.raises(ConfigError, match="needs grads_on_gpu"):
         ScheduleConfig.from_ds_config({"dostune": {"resident_subgroups": 1, "grads_on_gpu": False}})
+
+
+@pytest.mark.parametrize("key", ["prefetch_states", "backward_gpu_subgroups"])
+def test_a_removed_key_is_refused_with_what_to_do(key):
+    with pytest.raises(ConfigError, match=f"'{key}' was removed from dostune .*: delete it from the dostune section"):
+        ScheduleConfig.from_ds_config({"dostune": {"gpu_fraction": 0.5, key: 0}})

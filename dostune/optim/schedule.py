@@ -21,6 +21,13 @@ from ..errors import ConfigError
 SECTION = "dostune"
 SCHEDULE_VERSION = 1
 CPU, GPU = "cpu", "gpu"
+# Keys of earlier versions whose features lost their measurements and were deleted; a config that still has one
+# is refused with this reason rather than as an unknown key.
+REMOVED_KEYS = {
+    "prefetch_states": "streaming the GPU lane's states in during backward saved 15 ms of step but slowed backward "
+                       "by 90 ms on gpt2-1.3b",
+    "backward_gpu_subgroups": "the GPU lane during backward emptied the step but slowed backward by more",
+}
 
 
 class ScheduleConfig(BaseModel):
@@ -43,11 +50,6 @@ class ScheduleConfig(BaseModel):
         "GPU, or convert on the CPU and upload half precision"))
     grads_on_gpu: bool = Field(True, description=(
         "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them"))
-    prefetch_states: bool = Field(False, description=(
-        "during backward, stream the first GPU-lane subgroups' fp32 params and Adam states (which backward "
-        "does not change) into their staging slots, as soon as the memory that backward frees has room. "
-        "Off by default: on the H100 with gpt2-1.3b it saved 15 ms of step but slowed backward by 90 ms "
-        "(its H2D copies compete with DeepSpeed's own gradient traffic); with gpt2-2.7b backward did not slow"))
     overlap_backward: bool = Field(False, description=(
         "update CPU-lane subgroups during backward, each as soon as its gradients are final (the last layers "
         "first), into shadow buffers that the step commits once the global gradient norm shows no clipping and "
@@ -55,13 +57,6 @@ class ScheduleConfig(BaseModel):
     backward_cpu_threads: Optional[int] = Field(None, ge=1, description=(
         "CPU Adam threads while backward still runs (default: one fewer than cpu_threads, leaving a core to "
         "backward's own host work)"))
-    backward_gpu_subgroups: int = Field(0, ge=0, description=(
-        "with overlap_backward: how many GPU-lane subgroups, those whose gradients are final first, are updated "
-        "during backward instead of after it. Their fp32 states stream into staging slots as backward frees "
-        "memory, the fused Adam runs as soon as their gradients are final, and the results stream back into host "
-        "shadow buffers that the step commits or recomputes like the CPU lane's. Costs 12 bytes of host memory per "
-        "parameter of those subgroups; needs grads_on_gpu. 0 by default and not searched by dostune tune: on the H100 "
-        "with gpt2-1.3b it emptied the step but slowed backward by more (results/h100/overlap-gpu-lane-gpt2-1.3b)"))
     resident_subgroups: int = Field(0, ge=0, description=(
         "how many GPU-lane subgroups (the first ones) keep their fp32 params and Adam states on the GPU between "
         "steps: their update streams nothing over PCIe. Costs 12 bytes of GPU memory per parameter of those "
@@ -78,23 +73,19 @@ class ScheduleConfig(BaseModel):
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_keys(cls, data):
+        if isinstance(data, dict):
+            for key, why in REMOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"'{key}' was removed from dostune ({why}): delete it from the dostune section")
+        return data
+
     @model_validator(mode="after")
-    def _backward_gpu_lane_needs(self) -> "ScheduleConfig":
-        if self.resident_subgroups:
-            if not self.grads_on_gpu:
-                raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
-            if self.backward_gpu_subgroups:
-                raise ValueError("resident_subgroups and backward_gpu_subgroups cannot be combined")
-        if self.adaptive_swing and self.backward_gpu_subgroups:
-            raise ValueError("adaptive_swing and backward_gpu_subgroups cannot be combined")
-        if self.backward_gpu_subgroups:
-            if not self.overlap_backward:
-                raise ValueError("backward_gpu_subgroups needs overlap_backward true")
-            if not self.grads_on_gpu:
-                raise ValueError("backward_gpu_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
-            if self.prefetch_states:
-                raise ValueError("backward_gpu_subgroups already streams states in during backward: "
-                                 "set prefetch_states false")
+    def _resident_needs_kept_gradients(self) -> "ScheduleConfig":
+        if self.resident_subgroups and not self.grads_on_gpu:
+            raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
         return self
 
     @classmethod
@@ -164,14 +155,6 @@ class Plan:
     def first_fills(self) -> list[GpuSlot]:
         """The GPU subgroups that fill a fresh staging slot (the ones whose states can be prefetched)."""
         return [s for s in self.gpu_slots if s.waits_for is None]
-
-
-def backward_gpu_order(plan: Plan, sched: ScheduleConfig) -> list[int]:
-    """The GPU-lane subgroups updated during backward, in the order their gradients become final: backward
-    runs from the last layer to the first and subgroups follow parameter order, so the highest index first."""
-    if not sched.overlap_backward:
-        return []
-    return sorted(plan.gpu_subgroups, reverse=True)[:sched.backward_gpu_subgroups]
 
 
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:

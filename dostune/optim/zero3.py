@@ -22,11 +22,7 @@ Methods replaced (everything else is DeepSpeed's):
   and epilogue (``_post_step``) are the parent's own helpers called in the parent's order.
 * ``_offload_grad_partition_at_boundary`` - for GPU-lane subgroups with ``grads_on_gpu``, the
   gradient partition is copied into a GPU buffer instead of host memory; the gradient norm is
-  recorded exactly as the parent does. All other subgroups go through the parent. Being called once
-  per parameter as backward finalises gradients, it is also where the GPU lane's state prefetch
-  (``prefetch_states``) advances: the fp32 params and Adam states of the first GPU-lane subgroups do not
-  depend on this step's gradients, so they stream into their staging slots during backward, each slot
-  allocated only once backward has freed as much activation memory as the slot takes.
+  recorded exactly as the parent does. All other subgroups go through the parent.
 
 With ``overlap_backward`` the CPU lane runs during backward instead (see ``overlap.py``): the same
 ``_offload_grad_partition_at_boundary`` override counts each CPU-lane subgroup's finalised parameters and
@@ -58,12 +54,11 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOpt
 
 from ..errors import ConfigError
 from .kernels import AdamScalars, LaneAdam
-from .backward_gpu import GpuBackward, Staged
 from .balance import LaneBalance, LaneTimes, lane_times
-from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers, clipping_certain, pinned_shadows
+from .overlap import BackwardOverlap, StepOutcome, SubgroupIO, Buffers
 from .pinned import PinRegistry
 from .queues import Queues
-from .schedule import GPU, Plan, ScheduleConfig, backward_gpu_order, make_plan, swing_candidates
+from .schedule import Plan, ScheduleConfig, make_plan, swing_candidates
 
 PHASE_WINDOW = 64  # steps whose host-time phases dostune_step_phases reports
 
@@ -102,12 +97,10 @@ class _State:
     beta_step: Optional[int] = None
     # This iteration's GPU-lane staging slots (slot index -> tensors, and "ready": the event after which the slot
     # may be refilled), used round robin; slot_uses counts the fills so far. prefetched: subgroup -> (start, done)
-    # of the states streamed in early: during backward (prefetch_states) or at the step's start.
+    # of the states streamed in early, at the step's start.
     slots: dict[int, dict] = field(default_factory=dict)
     slot_uses: int = 0
     prefetched: dict[int, tuple] = field(default_factory=dict)
-    bwd_watermark: Optional[int] = None
-    slot_watermark: bool = True  # off only in tests, whose tiny models free no memory during backward
     step_t0: Optional[tuple] = None  # (event on the compute lane, host time) at the step's start, for the trace
     # Host time of each step's parts (see dostune_step_phases): the marks of the step in progress, then a window of
     # finished steps. Why: on a slow H100 host the step took 170 ms while its lanes ended ~107 ms after they started.
@@ -121,7 +114,6 @@ class _State:
     # Parameter id -> the 2-norm of its gradient partition in DeepSpeed's norm dtype, as the norm kernel returns it;
     # what DeepSpeed would record in norm_for_param_grads follows from it exactly (see _dostune_record_norm).
     raw_norms: dict = field(default_factory=dict)
-    gpu_bwd: Optional[GpuBackward] = None  # backward_gpu_subgroups
     # overlap_backward: the CPU-lane worker, each CPU-lane subgroup's parameter ids (those holding data on this
     # rank), the ids finalised so far this backward, and the running squared gradient norm.
     overlap: Optional[BackwardOverlap] = None
@@ -144,9 +136,6 @@ class _State:
         self.slots.clear()
         self.slot_uses = 0
         self.prefetched.clear()
-        self.bwd_watermark = None
-        if self.gpu_bwd is not None:
-            self.gpu_bwd.reset()
 
 
 def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
@@ -220,14 +209,13 @@ def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConf
     numel = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
     plan = make_plan(len(numel), schedule)
     cpu = plan.cpu_order + swing_candidates(len(numel), schedule)
-    gpu_bwd = backward_gpu_order(plan, schedule)
-    need = 12 * sum(numel[i] for i in cpu + gpu_bwd) + 4 * max((numel[i] for i in cpu), default=0)
+    need = 12 * sum(numel[i] for i in cpu) + 4 * max((numel[i] for i in cpu), default=0)
     if need > 0.9 * available:
         raise ConfigError(
             f"overlap_backward needs {need / 2**30:.1f} GiB more host memory for shadow optimizer states, but only "
             f"{available / 2**30:.1f} GiB are available",
-            hint="set overlap_backward false, or lower adaptive_swing or backward_gpu_subgroups, or raise "
-                 "gpu_fraction so fewer subgroups are updated on the CPU")
+            hint="set overlap_backward false, or lower adaptive_swing, or raise gpu_fraction so fewer subgroups are "
+                 "updated on the CPU")
 
 
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -274,11 +262,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dos.balance = LaneBalance(len(swing))
         if schedule.overlap_backward and (plan.cpu_order or swing):
             self._dostune_init_overlap(lane_device)
-        order = backward_gpu_order(plan, schedule)
-        if order:
-            shadows = {i: pinned_shadows(i, int(self.fp16_partitioned_groups_flat_numel[i]), self._dos.pins.pin,
-                                         "gpu_shadow") for i in order}
-            self._dos.gpu_bwd = GpuBackward(order, {i: self._dostune_param_ids(i) for i in order}, shadows)
 
     def _dostune_param_ids(self, i: int) -> frozenset:
         # The same test DeepSpeed's partition_grads applies: a parameter whose partition on this rank is empty
@@ -372,12 +355,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     @property
     def dostune_overlap_stats(self) -> dict:
         """overlap_backward counters since start: steps, CPU-lane subgroups updated speculatively during backward,
-        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed;
-        the same three for the GPU lane's backward_gpu_subgroups under gpu_speculative, gpu_committed, gpu_redone."""
-        out = dict(self._dos.overlap_stats)
-        if self._dos.gpu_bwd is not None:
-            out.update({f"gpu_{k}": v for k, v in self._dos.gpu_bwd.stats.items()})
-        return out
+        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed."""
+        return dict(self._dos.overlap_stats)
 
     @property
     def dostune_step_phases(self) -> dict:
@@ -404,14 +383,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # * CPU-lane subgroups updated during backward: the CPU lane reads the gradient from DeepSpeed's pinned
         #   gradient-partition buffer, which partition_grads has already filled, so the parent's fp32 conversion
         #   and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
-        # Being called once per parameter as backward finalises gradients, it also drives the work that starts
-        # during backward: the state prefetch, the CPU-lane worker and the GPU lane during backward.
+        # Being called once per parameter as backward finalises gradients, it also hands the CPU-lane worker each
+        # subgroup whose gradients are all final.
         dos = getattr(self, "_dos", None)
         if dos is None:
             return super()._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
                                                                offload_fp32_offsets)
-        if dos.schedule.prefetch_states:
-            self._dostune_prefetch_tick()
         pid = self.get_param_id(param)
         i, dest_offset, _ = self.grad_position[pid]
         cpu_overlap = dos.overlap is not None and i in dos.overlap_seen
@@ -431,15 +408,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 dos.device_grads[i] = buf
             # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
             buf.narrow(0, dest_offset, grad_buffer.numel()).copy_(grad_buffer, non_blocking=True)
-            gb = dos.gpu_bwd
-            if gb is not None and gb.grad_final(i, pid):
-                gb.ready[i] = dos.queues.record_current()  # after the copy above, on the stream that made it
-                if self._dostune_partial_norm_useful():
-                    self._dostune_add_partial_norm(gb.pids[i])  # a lower bound for the cutoff of both lanes
         if cpu_overlap:
             self._dostune_grad_final(i, pid)
-        if dos.gpu_bwd is not None:
-            self._dostune_gpu_backward_tick()
 
     def partition_grads(self, params_to_release, grad_partitions):
         # Replaces DeepSpeed's method in the common case (a boundary micro-step that does not accumulate): DeepSpeed
@@ -665,18 +635,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         slot["ready"] = q.record("compute", timing=False)
         return slot
 
-    def _dostune_slot_fits(self, need_grads: bool) -> bool:
-        """Whether one more staging slot fits under backward's memory watermark: the memory allocated when
-        backward first finalised a gradient (about the iteration's peak), so slots filled during backward
-        never raise the peak."""
-        dos = self._dos
-        if not dos.queues.cuda or not dos.slot_watermark:
-            return True
-        allocated = torch.cuda.memory_allocated(dos.lane_device)
-        if dos.bwd_watermark is None:
-            dos.bwd_watermark = allocated
-        return allocated + self._dostune_slot_width() * 4 * (4 if need_grads else 3) <= dos.bwd_watermark
-
     def _dostune_stage(self, i: int, slot: dict) -> tuple:
         """Queue subgroup i's fp32 params and Adam states into ``slot`` once the slot is free; (start, done)."""
         q = self._dos.queues
@@ -691,20 +649,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             slot["v"][:n].copy_(state["exp_avg_sq"], non_blocking=True)
             return t_in, q.record("h2d")
 
-    def _dostune_prefetch_tick(self) -> None:
-        """Start streaming the next first-use staging slot's states in, if backward's freed memory allows."""
-        dos = self._dos
-        firsts = dos.plan.first_fills
-        if len(dos.slots) >= len(firsts):
-            return
-        need_grads = not dos.schedule.grads_on_gpu
-        if not self._dostune_slot_fits(need_grads):
-            return
-        gs = firsts[len(dos.slots)]
-        slot = self._dostune_new_slot(self._dostune_slot_width(), need_grads)
-        dos.slots[gs.slot] = slot
-        dos.prefetched[gs.subgroup] = self._dostune_stage(gs.subgroup, slot)
-
     def _dostune_step_prefetch(self) -> None:
         """At the step's start, stream the GPU lane's first subgroups' fp32 params and Adam states into every staging
         slot backward has not filled: they do not depend on this step's gradients or clipping factor, so the copies
@@ -712,8 +656,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         40 ms for gpt2-1.3b on the H100), which used to leave the copy engines idle. Backward's activations are
         freed by now, so the slots do not raise peak memory. A skipped step drains and drops them."""
         dos = self._dos
-        if dos.gpu_bwd is not None:
-            return
         firsts = dos.plan.first_fills
         need_grads = not dos.schedule.grads_on_gpu
         while len(dos.slots) < len(firsts):
@@ -722,112 +664,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             slot = self._dostune_new_slot(self._dostune_slot_width(), need_grads)
             dos.slots[gs.slot] = slot
             dos.prefetched[gs.subgroup] = self._dostune_stage(gs.subgroup, slot)
-
-    def _dostune_gpu_backward_tick(self) -> None:
-        """Advance the GPU lane during backward (see backward_gpu.py): stage the next subgroups' states into free
-        slots, then launch, in order, those whose gradients are final. Nothing here blocks the host."""
-        while self._dostune_gpu_backward_stage() | self._dostune_gpu_backward_launch():
-            pass  # a launch frees a slot for the next stage, a stage may make the next launch possible
-
-    def _dostune_gpu_backward_stage(self) -> bool:
-        dos = self._dos
-        gb = dos.gpu_bwd
-        nslots = min(dos.schedule.staging_buffers, len(dos.plan.gpu_slots))
-        progressed = False
-        while (i := gb.next_to_stage()) is not None:
-            idx = dos.slot_uses % nslots
-            if gb.waiting_in_slot(idx):
-                break
-            slot = dos.slots.get(idx)
-            if slot is None:
-                if not self._dostune_slot_fits(False):
-                    break
-                slot = dos.slots[idx] = self._dostune_new_slot(self._dostune_slot_width(), False)
-            dos.slot_uses += 1
-            gb.staged[i] = Staged(idx, *self._dostune_stage(i, slot))
-            progressed = True
-        return progressed
-
-    def _dostune_gpu_backward_launch(self) -> bool:
-        dos = self._dos
-        gb, q = dos.gpu_bwd, dos.queues
-        progressed = False
-        while (i := gb.next_to_launch()) is not None:
-            if gb.spec_inv is None:  # first launch of this backward: fix the step's constants
-                gb.spec_inv = BackwardOverlap.spec_factor(float(self.loss_scale))
-                self._dostune_sync_beta_powers()
-                gb.scalars = self._dostune_step_scalars()
-            if self._dostune_clipping_certain():
-                gb.stopped = True  # leave the rest to the step, which knows the real factor
-                break
-            st = gb.staged[i]
-            slot, n = dos.slots[st.slot], int(self.fp16_partitioned_groups_flat_numel[i])
-            p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
-            g = dos.device_grads[i]
-            fp32 = self.fp32_partitioned_groups_flat[i]
-            group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
-            with torch.no_grad():
-                with q.on("compute"):
-                    q.wait("compute", st.h2d_done)
-                    q.wait("compute", gb.ready[i])
-                    t_c = q.record("compute")
-                    # On a CPU device the lane's kernel scales the gradient in place; a redo needs it unscaled.
-                    dos.lane_adam.update(p, g if q.cuda else g.clone(), m, v, self.fp16_partitioned_groups_flat[i],
-                                         gb.spec_inv, self.optimizer.state[fp32]["step"] + 1, group, gb.scalars.get(i))
-                    c_done = q.record("compute")
-                with q.on("d2h"):
-                    q.wait("d2h", c_done)
-                    t_out = q.record("d2h")
-                    sh = gb.shadows[i]
-                    sh.p.copy_(p, non_blocking=True)
-                    sh.m.copy_(m, non_blocking=True)
-                    sh.v.copy_(v, non_blocking=True)
-                    slot["ready"] = q.record("d2h")
-            gb.launched.append(i)
-            gb.trace += [("h2d", i, st.h2d_start, st.h2d_done), ("gpu", i, t_c, c_done),
-                         ("d2h", i, t_out, slot["ready"])]
-            progressed = True
-        return progressed
-
-    def _dostune_clipping_certain(self) -> bool:
-        """The CPU lane's cutoff, read without waiting on the GPU: the partial norm of the subgroups final so
-        far, if its copy to the host has landed (one still in flight counts as not known yet)."""
-        dos = self._dos
-        if (dos.overlap is not None and not dos.overlap.partial_norm_cutoff) or dos.overlap_last is None:
-            return False
-        host, event = dos.overlap_last
-        if event is not None and not event.query():
-            return False
-        return clipping_certain(host, float(self.loss_scale), float(self.clip_grad))
-
-    def _dostune_finish_gpu_backward(self, inv_f: Optional[float], trace: list) -> set:
-        """The step's half of the GPU lane during backward: swap in the speculative results when the real factor
-        is the assumed one; ``inv_f`` None (skipped step): undo their half-precision writes. Returns the
-        subgroups that are done."""
-        dos = self._dos
-        gb = dos.gpu_bwd
-        launched = list(gb.launched)
-        gb.stats["speculative"] += len(launched)
-        trace += gb.trace
-        if dos.overlap is None:  # else the CPU lane's finish resets the running norm
-            self._dostune_reset_overlap()
-        if inv_f is None:  # the caller has drained the lane streams
-            for i in launched:
-                half = self.fp16_partitioned_groups_flat[i]
-                half.copy_(self.fp32_partitioned_groups_flat[i].data.to(half.dtype))
-            return set()
-        if gb.spec_inv is None or inv_f != gb.spec_inv:
-            gb.stats["redone"] += len(launched)
-            return set()
-        for i in launched:
-            fp32 = self.fp32_partitioned_groups_flat[i]
-            state = self.optimizer.state[fp32]
-            new = gb.shadows[i]
-            gb.shadows[i] = Buffers(fp32.data, state["exp_avg"], state["exp_avg_sq"])
-            fp32.data, state["exp_avg"], state["exp_avg_sq"] = new.p, new.m, new.v
-            state["step"] += 1
-        gb.stats["committed"] += len(launched)
-        return set(launched)
 
     # ------------------------------------------------------------------ step
     def step(self, closure=None):
@@ -854,11 +690,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(scaled_global_grad_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
-            # Staging slots filled during backward may still be in flight, and the GPU lane's speculative kernels
-            # must have written the half-precision partitions before they are restored.
+            # The staging slots filled at the step's start may still be in flight.
             self._dos.queues.drain()
-            if self._dos.gpu_bwd is not None:
-                self._dostune_finish_gpu_backward(None, [])
             self._dos.device_grads.clear()
             self._dos.grad_home.clear()
             self._dos.reset_slots()
@@ -953,8 +786,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             dos.overlap.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
         scalars = self._dostune_step_scalars()  # likewise for the GPU lane
         inv32 = float(np.float32(inv_f))  # what the speculative updates' factor is compared with
-        done = set() if dos.gpu_bwd is None else self._dostune_finish_gpu_backward(inv32, trace)
-        self._dostune_queue_gpu_lane(inv_f, trace, [i for i in plan.gpu_subgroups if i not in done], scalars)
+        self._dostune_queue_gpu_lane(inv_f, trace, plan.gpu_subgroups, scalars)
         gpu_ends = [q.record(lane, timing=True) for lane in ("compute", "d2h")] if origin is not None else []
         if dos.overlap is not None:
             dos.overlap.submit(inv32, self._dostune_may_commit(inv32))
@@ -1018,8 +850,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._dostune_adopt_subgroup_state(i)
 
     def _dostune_queue_gpu_lane(self, inv: float, trace: list, todo: list[int], scalars: dict) -> None:
-        """Queue the GPU-lane subgroups ``todo``: H2D into a staging slot (unless their states came in during
-        backward), fused Adam, convert, D2H. Slots are reused round robin, each refill waiting for the slot's
+        """Queue the GPU-lane subgroups ``todo``: H2D into a staging slot (unless their states came in at the step's
+        start), fused Adam, convert, D2H. Slots are reused round robin, each refill waiting for the slot's
         previous write-back. Nothing here blocks the host."""
         dos = self._dos
         q, sched = dos.queues, dos.schedule
@@ -1030,29 +862,22 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         need_grads = not sched.grads_on_gpu
         dev = dos.lane_device
         nslots = min(sched.staging_buffers, len(dos.plan.gpu_slots))
-        gb = dos.gpu_bwd
-        waiting = gb.unlaunched_staged() if gb is not None else []
-        # Subgroups staged during backward but not launched go first: they hold their slots.
-        for i in waiting + [i for i in todo if i not in waiting]:
+        for i in todo:
             if i in dos.resident_set:
                 self._dostune_update_resident(i, inv, trace, scalars)
                 continue
             n = int(numel[i])
             fp32 = self.fp32_partitioned_groups_flat[i]
             state = self.optimizer.state[fp32]
-            if i in waiting:
-                st = gb.staged[i]
-                idx, early = st.slot, (st.h2d_start, st.h2d_done)
-            else:
-                idx = dos.slot_uses % nslots
-                dos.slot_uses += 1
-                early = dos.prefetched.get(i)  # prefetch_states / the step's prefetch fill slot k with the k-th
+            idx = dos.slot_uses % nslots
+            dos.slot_uses += 1
+            early = dos.prefetched.get(i)  # the step's prefetch filled slot k with the k-th
             slot = dos.slots.get(idx)
             if slot is None:
                 slot = dos.slots[idx] = self._dostune_new_slot(width, need_grads)
             p, m, v = slot["p"][:n], slot["m"][:n], slot["v"][:n]
             if early is not None and not need_grads:
-                # Params and states came in during backward or DeepSpeed's prologue and nothing else is to copy:
+                # Params and states came in during DeepSpeed's prologue and nothing else is to copy:
                 # the update waits for this subgroup's own copies. An event recorded now would follow every copy
                 # queued on the h2d stream so far, i.e. all the prefetched slots (the H100 timeline of
                 # results/h100/nt-gpt2-1.3b: the first streamed subgroup's Adam waited ~16 ms for the other two).
@@ -1186,13 +1011,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if dos is None or not param.requires_grad:
             return
         i = self.grad_position[self.get_param_id(param)][0]
-        home = dos.grad_home.get(i)
-        speculative_gpu = dos.gpu_bwd is not None and i in dos.gpu_bwd.pids
-        if home == "half" or (home == "device" and speculative_gpu):
+        if dos.grad_home.get(i) == "half":
             raise ConfigError(
                 f"dostune: the gradient of subgroup {i} cannot be changed between backward and step: with "
                 f"overlap_backward its update already started during backward. Set \"overlap_backward\": false "
-                f"(and backward_gpu_subgroups 0) in the dostune section to modify gradients before the step.")
+                f"in the dostune section to modify gradients before the step.")
 
     def set_fp32_grad_for_param(self, value, param):
         # DeepSpeed's method, after refusing a gradient an update started during backward has already read.

@@ -136,19 +136,11 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
                   iterations: int = 4, backward_s: Optional[float] = None,
-                  ready_fraction: Optional[Sequence[float]] = None, slots_free_at: float = 0.0) -> StepPrediction:
-    """``backward_s``: how long backward runs (None: unknown; a prefetch then counts it as long enough). With
-    ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
-    in during that window, so the step's H2D for them carries at most the gradients.
-
-    With ``overlap_backward`` and both the backward time and ``ready_fraction`` (how far into backward each
-    subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
-    (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower),
-    produces half precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step.
-    The first ``backward_gpu_subgroups`` GPU-lane subgroups in backward order (highest index first) then run
-    during backward too: their states stream in once the staging slots fit (``slots_free_at``: the fraction of
-    backward after which backward has freed enough memory for them), the kernel starts when their gradients are
-    final, and the write-back follows; the rest of the GPU lane runs in the step.
+                  ready_fraction: Optional[Sequence[float]] = None) -> StepPrediction:
+    """With ``overlap_backward`` and both the backward time ``backward_s`` and ``ready_fraction`` (how far into
+    backward each subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
+    (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower), produces half
+    precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step.
 
     Time 0 is where DeepSpeed's step prologue ends (``STEP_PROLOGUE_SHARE`` of ``overhead_s``); the states of the
     GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it, and the
@@ -168,39 +160,30 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
     bwd = backward_s if overlap else 0.0
-    bwd_gpu = sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups] if overlap else []
     resident = gpu[:sched.resident_subgroups]
-    prologue = STEP_PROLOGUE_SHARE * overhead_s if not bwd_gpu else 0.0
-    release = min(STEP_RELEASE_SHARE, STEP_PROLOGUE_SHARE) * overhead_s if not bwd_gpu else 0.0
+    prologue = STEP_PROLOGUE_SHARE * overhead_s
+    release = min(STEP_RELEASE_SHARE, STEP_PROLOGUE_SHARE) * overhead_s
 
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
-    h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else -release
+    comp_free = d2h_free = -release
     for i in resident:  # nothing to copy: their kernels go first
         t = inp.gpu_adam.t(sizes[i])
         spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
         comp_free += t
-    if not bwd_gpu:
-        h2d_free = -prologue
+    h2d_free = -prologue
     d2h_end: list[float] = []
-    window = float("inf") if backward_s is None else backward_s
     streamed = [j for j in gpu if j not in resident]
-    for k, i in enumerate(bwd_gpu + [j for j in streamed if j not in bwd_gpu]):
+    for k, i in enumerate(streamed):
         s = sizes[i]
-        during = i in bwd_gpu
-        ready = d2h_end[k - nbuf] if k >= nbuf else (bwd * (slots_free_at - 1.0) if during else -prologue)
-        start = max(h2d_free, ready, -bwd if during else -prologue)
+        ready = d2h_end[k - nbuf] if k >= nbuf else -prologue
+        start = max(h2d_free, ready, -prologue)
         rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
-        copy = rate.t(in_bytes * s)
-        if sched.prefetch_states and k < nbuf:  # states already (partly) in from backward's idle H2D
-            hidden = min(inp.h2d.t(STATE_BYTES * s), window)
-            window -= hidden
-            copy = max(copy - hidden, rate.t((in_bytes - STATE_BYTES) * s) if in_bytes > STATE_BYTES else 0.0)
-        end = start + copy
+        end = start + rate.t(in_bytes * s)
         if end > start:
             spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
         h2d_free = end
-        c0 = max(end, comp_free, bwd * (ready_fraction[i] - 1.0) if during else -release)
+        c0 = max(end, comp_free, -release)
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
@@ -340,8 +323,6 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
         pinned += 2 * 2 * max(sizes[i] for i in cpu)
     if sched.overlap_backward:  # the shadow fp32 params and Adam states of every CPU-lane subgroup
         pinned += STATE_BYTES * sum(sizes[i] for i in cpu)
-        # and of the GPU-lane subgroups updated during backward
-        pinned += STATE_BYTES * sum(sizes[i] for i in sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups])
         # and of the GPU-lane subgroups adaptive_swing may move to the CPU lane (allocated at start-up)
         pinned += STATE_BYTES * sum(sizes[i] for i in swing_candidates(len(sizes), sched))
     return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
@@ -457,22 +438,10 @@ class Prediction:
         return sum(self.sizes) / self.step_s / 1e9
 
 
-def slots_free_fraction(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs) -> float:
-    """How far into backward (0..1) it has freed enough memory for the GPU lane's staging slots: backward's memory
-    is taken to fall linearly from its peak to the step's level (as in ``predict_memory``). 0 when unknown."""
-    gpu = gpu_lane_sizes(sizes, sched)
-    if not gpu or m.peak_bwd_gib is None or m.peak_step_gib is None:
-        return 0.0
-    freed = m.peak_bwd_gib - m.peak_step_gib
-    need = min(sched.staging_buffers, len(gpu)) * max(gpu) * STATE_BYTES / GiB
-    return 1.0 if freed <= 0 else min(1.0, need / freed)
-
-
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
             overhead_s: float, grad_alloc: Optional[Sequence[float]] = None,
             grad_ready: Optional[Sequence[float]] = None) -> Prediction:
-    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready,
-                         slots_free_at=slots_free_fraction(sizes, sched, m) if sched.backward_gpu_subgroups else 0.0)
+    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready)
     return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
                       memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
