@@ -34,7 +34,7 @@ def check(ours, ref):
     assert d <= TOL, f"master weights differ from DeepSpeed's by {d:.3e} relative"
     assert ours["losses"] == pytest.approx(ref["losses"], rel=TOL)
     # the last step's global gradient norm, bit for bit: dostune records and sums the per-parameter norms its own
-    # way (InterleavedZeroOptimizer._dostune_record_norm); one ulp off would change every clipped update after it
+    # way (dostune.optim.norms); one ulp off would change every clipped update after it
     assert ours["grad_norm"] == ref["grad_norm"]
     return d
 
@@ -73,7 +73,7 @@ def test_grad_accumulation_and_lr_schedule():
 
 
 def no_partial_norm_cutoff(opt):
-    opt._dos.overlap.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+    opt._dos.cpu.worker.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
 
 
 def cpu_lane_count(schedule: str) -> int:
@@ -94,8 +94,9 @@ def overflow_case(precision: str, schedule: str, **run_kw):
 
     def adjust(opt):
         no_partial_norm_cutoff(opt)
-        add = opt._dostune_add_partial_norm
-        opt._dostune_add_partial_norm = lambda pids: partial_norms.append(pids) or add(pids)
+        norms = opt._dos.norms
+        add = norms.add_partial
+        norms.add_partial = lambda pids: partial_norms.append(pids) or add(pids)
 
     adjust = adjust if SCHEDULES[schedule].overlap_backward else None
     ours = run(train, SCHEDULES[schedule], steps=30, overflow_steps=(5, 6), adjust=adjust, **run_kw)
@@ -157,10 +158,10 @@ def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():
     _, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap"])
     opt = engine.optimizer
     try:
-        assert sorted(opt._dos.grad_slices) == list(range(len(opt.fp16_groups)))
+        assert sorted(opt._dos.grads.slices) == list(range(len(opt.fp16_groups)))
         flat = opt.grad_partitions_flat_buffer
         for i in opt.dostune_plan.cpu_order:
-            g = opt._dostune_subgroup_io(i).grad
+            g = opt._dos.cpu.subgroup_io(i).grad
             assert g.dtype == torch.bfloat16 and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     finally:
         engine.destroy()
@@ -248,13 +249,13 @@ def test_step_phases_time_the_steps_parts_and_leave_out_skipped_steps():
             engine.step()
             walls.append(time.perf_counter() - t0)
             opt._partition_all_parameters = release
-        assert engine.skipped_steps == 1 and len(opt._dos.step_phases) == 2  # the skipped step is not a row
-        for row, wall in zip(opt._dos.step_phases, (walls[0], walls[2])):
+        assert engine.skipped_steps == 1 and len(opt._dos.clock.phases) == 2  # the skipped step is not a row
+        for row, wall in zip(opt._dos.clock.phases, (walls[0], walls[2])):
             assert set(row) == {"before_lanes", "queue_and_host_work", "wait_for_lanes", "after_lanes"}
             assert min(row.values()) >= 0 and row["queue_and_host_work"] >= 0.05
             assert sum(row.values()) <= wall
         phases = opt.dostune_step_phases
-        assert phases["queue_and_host_work"] >= 50.0 and set(phases) == set(opt._dos.step_phases[0])
+        assert phases["queue_and_host_work"] >= 50.0 and set(phases) == set(opt._dos.clock.phases[0])
     finally:
         engine.destroy()
 
@@ -295,11 +296,11 @@ def test_gpu_lane_gradients_skip_the_host_copy_in_bf16():
         buf = opt.grad_partitions_flat_buffer
         buf.fill_(7.0)
         engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))))
-        dos = opt._dos
-        assert dos.gpu_set and set(dos.plan.cpu_order)
-        for i, (start, n) in dos.grad_slices.items():
+        gpu_set = set(opt.dostune_plan.gpu_subgroups)
+        assert gpu_set and set(opt.dostune_plan.cpu_order)
+        for i, (start, n) in opt._dos.grads.slices.items():
             untouched = bool((buf.narrow(0, start, n) == 7.0).all())
-            assert untouched == (i in dos.gpu_set), f"subgroup {i}"
+            assert untouched == (i in gpu_set), f"subgroup {i}"
         engine.step()
     finally:
         engine.destroy()
@@ -354,7 +355,7 @@ def test_setting_a_gradient_reaches_the_gpu_lane_and_is_refused_once_its_update_
     def double_first(engine):  # parameter 0 (the embedding) lies in subgroup 0: on the GPU lane in first-60pct
         p = next(engine.module.parameters())
         if hasattr(engine.optimizer, "_dos"):
-            assert _subgroup_of(engine, p) in engine.optimizer._dos.gpu_set
+            assert _subgroup_of(engine, p) in engine.optimizer.dostune_plan.gpu_subgroups
         safe_set_full_grad(p, safe_get_full_grad(p) * 2)
 
     _, _, ref = _grads_after_backward(None, double_first)
@@ -364,7 +365,7 @@ def test_setting_a_gradient_reaches_the_gpu_lane_and_is_refused_once_its_update_
 
     def set_cpu_lane(engine):
         p = next(p for p in engine.module.parameters()
-                 if _subgroup_of(engine, p) not in engine.optimizer._dos.gpu_set)
+                 if _subgroup_of(engine, p) not in engine.optimizer.dostune_plan.gpu_subgroups)
         with pytest.raises(ConfigError, match="overlap_backward"):
             safe_set_full_grad(p, safe_get_full_grad(p))
 
@@ -398,9 +399,9 @@ def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_
         if overlap:
             no_partial_norm_cutoff(opt)
             for i in (3, 2, 1):  # their shadows exist before any step moves them (not allocated mid-step)
-                assert opt._dos.overlap.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i]
+                assert opt._dos.cpu.worker.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i]
         scripted.append(ScriptedSwing(opt, [0, 1, 3, 2, 0, 3, 1]))
-        opt._dos.balance = scripted[0]
+        opt._dos.split.balance = scripted[0]
 
     ours = run(train, sched, steps=20, adjust=adjust)
     check(ours, reference(train, steps=20))
@@ -411,4 +412,4 @@ def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_
         assert ours["overlap"]["committed"] == sum(len(c) for c in lanes)
         # the worker's own list (it updates in the step those no gradient reached in backward) follows the plan
         opt = scripted[0].opt
-        assert opt._dos.overlap.subgroups == opt._dos.plan.cpu_order != [4]
+        assert opt._dos.cpu.worker.subgroups == opt._dos.plan.cpu_order != [4]

@@ -62,8 +62,8 @@ def test_adaptive_swing_gpu(overlap):
     seen = []
 
     def adjust(opt):
-        observe = opt._dos.balance.observe
-        opt._dos.balance.observe = lambda times: seen.append(times) or observe(times)
+        observe = opt._dos.split.balance.observe
+        opt._dos.split.balance.observe = lambda times: seen.append(times) or observe(times)
 
     ours = run(train, sched, steps=30, pin_memory=True, adjust=adjust)
     check(ours, reference(train, steps=30))

@@ -36,14 +36,9 @@ import numpy as np
 import torch
 
 from . import cpu_kernel
+from .host_state import Buffers, pinned_buffers
 from .kernels import AdamScalars
-
-
-def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bool:
-    """Whether a partial sum of squared (scaled) gradient norms already makes clipping, or a skipped step, certain:
-    the global norm can only be larger. The test DeepSpeed's clipping applies, on the partial norm."""
-    norm = float(np.sqrt(float(partial_sq)))
-    return not np.isfinite(norm) or (clip is not None and clip > 0 and norm / loss_scale + 1e-6 > clip)
+from .norms import clipping_certain
 
 
 HALF_RING_BYTES = 512 * 2**20
@@ -51,22 +46,6 @@ HALF_RING_BYTES = 512 * 2**20
 # 5 ms: the worker needs it briefly a few times per subgroup (between C calls that release it), and the host thread
 # it waits on runs long stretches of Python (backward's hooks, DeepSpeed's step prologue).
 LANE_SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass
-class Buffers:
-    p: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor
-
-
-def pinned_shadows(i: int, n: int, pin: Callable, prefix: str) -> Buffers:
-    """fp32 params, exp_avg and exp_avg_sq buffers of n elements for subgroup i, page-locked through ``pin``
-    under the keys (i, prefix + "_param"), ... so the lanes can copy into them asynchronously."""
-    b = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
-    for kind, t in zip(("param", "exp_avg", "exp_avg_sq"), (b.p, b.m, b.v)):
-        pin((i, f"{prefix}_{kind}"), t)
-    return b
 
 
 @dataclass
@@ -278,7 +257,7 @@ class BackwardOverlap:
         b = self._shadows.get(i)
         n = io.param.numel()
         if b is None or b.p.numel() != n:
-            b = self._shadows[i] = pinned_shadows(i, n, self._pin, "shadow")
+            b = self._shadows[i] = pinned_buffers(i, n, self._pin, "shadow")
         return b
 
     def _half_slot(self, dtype: torch.dtype) -> int:

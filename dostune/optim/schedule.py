@@ -11,7 +11,7 @@ DeepSpeed ignores top-level keys it does not know, so the same file drives plain
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -144,6 +144,9 @@ class Plan:
     cpu_order: list[int]
     gpu_slots: list[GpuSlot]  # the GPU-lane subgroups whose states stream through staging slots
     resident: tuple[int, ...] = ()  # the GPU-lane subgroups whose states stay on the GPU
+    # The streamed GPU-lane subgroups adaptive_swing may move to the CPU lane, in the order it does (the same for
+    # every swing of one schedule, so not part of a plan's identity).
+    swing_candidates: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def gpu_subgroups(self) -> list[int]:
@@ -158,28 +161,28 @@ class Plan:
 
 
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
-    """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does: the streamed ones
-    (resident subgroups keep their states on the GPU), highest index first."""
-    if not sched.adaptive_swing:
-        return []
-    return sorted((s.subgroup for s in make_plan(num_subgroups, sched).gpu_slots), reverse=True)[:sched.adaptive_swing]
+    """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does."""
+    return list(make_plan(num_subgroups, sched).swing_candidates)
 
 
 def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0) -> Plan:
     """The lanes, CPU-lane order and GPU-lane staging chain; ``swing`` of the GPU lane's streamed subgroups
-    (see swing_candidates) go to the CPU lane instead."""
+    (its ``swing_candidates``) go to the CPU lane instead."""
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
-    if swing:
-        for i in swing_candidates(num_subgroups, sched)[:swing]:
-            lanes[i] = CPU
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     if sched.resident_subgroups > len(gpu):
         raise ConfigError(f"resident_subgroups is {sched.resident_subgroups} but the GPU lane has only {len(gpu)} "
                           f"subgroups (gpu_fraction {sched.gpu_fraction} of {num_subgroups})",
                           hint="lower resident_subgroups or raise gpu_fraction")
+    # adaptive_swing moves the streamed ones (resident subgroups keep their states on the GPU), highest index first:
+    # their gradients are final first, nearest the CPU lane's
+    candidates = tuple(sorted(gpu[sched.resident_subgroups:], reverse=True)[:sched.adaptive_swing])
+    for i in candidates[:swing]:
+        lanes[i] = CPU
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     resident, streamed = tuple(gpu[:sched.resident_subgroups]), gpu[sched.resident_subgroups:]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
              for k, sg in enumerate(streamed)]
     return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots,
-                resident=resident)
+                resident=resident, swing_candidates=candidates)
