@@ -36,7 +36,7 @@ def lane(monkeypatch):
 
     monkeypatch.setattr(cpu_kernel, "adam_out_of_place", recorded)
     ov = BackwardOverlap(SUBGROUPS, ios.__getitem__, lambda: {i: SCALARS for i in SUBGROUPS}, torch.device("cpu"),
-                         lambda key, t: None, threads_backward=1, threads_step=2)
+                         lambda key, t: None, threads_backward=1, threads_step=2, ring=len(SUBGROUPS))
     yield ov, calls, hold
     hold.set()
     ov.close()

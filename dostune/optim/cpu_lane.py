@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .adam_steps import AdamSteps
+from .footprint import cpu_lane_reach, half_ring_count
 from .grads import GradRouting
 from .host_state import HostStates
 from .norms import GradNorms
@@ -159,11 +160,13 @@ class CpuBackwardLane:
         self._adam, self._plan = adam, plan
         # Each subgroup's parameter ids (those holding data on this rank), for every subgroup the lane may get, and
         # those finalised so far this backward, for the lane's subgroups this step.
-        self._pids = {i: grads.param_ids(i) for i in plan.cpu_order + list(plan.swing_candidates)}
+        self._pids = {i: grads.param_ids(i) for i in cpu_lane_reach(plan)}
         self._seen: dict[int, set] = {}
         threads = schedule.cpu_threads or torch.get_num_threads()
+        reach = cpu_lane_reach(plan)
+        ring = half_ring_count(len(reach), max(host.numel(i) for i in reach))
         self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
-                                      schedule.backward_cpu_threads or max(1, threads - 1), threads)
+                                      schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
         self.worker.reserve(list(plan.swing_candidates))
         self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
 

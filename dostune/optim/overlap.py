@@ -41,7 +41,6 @@ from .kernels import AdamScalars
 from .norms import clipping_certain
 
 
-HALF_RING_BYTES = 512 * 2**20
 # While the CPU lane has work, a thread waiting for the GIL gets it after this long instead of Python's default
 # 5 ms: the worker needs it briefly a few times per subgroup (between C calls that release it), and the host thread
 # it waits on runs long stretches of Python (backward's hooks, DeepSpeed's step prologue).
@@ -70,19 +69,17 @@ class StepOutcome:
 class BackwardOverlap:
     def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
                  scalars: Callable[[], dict[int, AdamScalars]], device: torch.device, pin: Callable,
-                 threads_backward: int, threads_step: int):
+                 threads_backward: int, threads_step: int, ring: int):
         self.subgroups = list(subgroups)
         self._io, self._scalars_fn, self._pin = io, scalars, pin
         self.device = device
         self.cuda = device.type == "cuda"
         self.threads_backward, self.threads_step = threads_backward, threads_step
         self._shadows: dict[int, Buffers] = {}
-        # Pinned half-precision results waiting for their upload, used round robin. The uploads of the subgroups
-        # left to the step queue behind the GPU lane's copies in: with only two buffers the worker waited for them
-        # (the H100 timeline of results/h100/nt-gpt2-1.3b: CPU Adam idle 38 ms), so there are as many as fit in
-        # HALF_RING_BYTES, at least two.
-        self._halves: list[torch.Tensor] = []
-        self._half_done: list = []
+        # Pinned half-precision results waiting for their upload, used round robin: ``ring`` buffers (see
+        # footprint.half_ring_count), each allocated at its first use and grown to the widest subgroup it serves.
+        self._halves: list[torch.Tensor] = [torch.empty(0) for _ in range(ring)]
+        self._half_done: list = [None] * ring
         self._switch_interval: Optional[float] = None
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
@@ -260,14 +257,6 @@ class BackwardOverlap:
             b = self._shadows[i] = pinned_buffers(i, n, self._pin, "shadow")
         return b
 
-    def _half_slot(self, dtype: torch.dtype) -> int:
-        if not self._halves:
-            widest = max(self._io(j).param.numel() for j in self.subgroups)
-            count = max(2, min(len(self.subgroups), HALF_RING_BYTES // max(1, widest * dtype.itemsize)))
-            self._halves = [torch.empty(0) for _ in range(count)]
-            self._half_done = [None] * count
-        return len(self._spans) % len(self._halves)
-
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._halves[k]
         if buf.numel() < n or buf.dtype != dtype:
@@ -279,7 +268,7 @@ class BackwardOverlap:
         io = self._io(i)
         b = self._buffers(i, io)
         n = io.param.numel()
-        k = self._half_slot(io.half.dtype)
+        k = len(self._spans) % len(self._halves)
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
         half = self._half_buffer(k, n, io.half.dtype)

@@ -105,8 +105,22 @@ class ScheduleConfig(BaseModel):
             raise ConfigError(f"invalid DeepSpeed config: {problems}") from None
 
 
+_EPS = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
+
+
+def gpu_count(num_subgroups: int, gpu_fraction: float) -> int:
+    """How many subgroups ``gpu_fraction`` puts on the GPU lane: floor(n f)."""
+    return math.floor(num_subgroups * gpu_fraction + _EPS)
+
+
+def gpu_fraction_for(count: int, num_subgroups: int) -> float:
+    """The ``gpu_fraction`` that puts exactly ``count`` of ``num_subgroups`` subgroups on the GPU lane: the one
+    conversion from a subgroup count (what the tuner searches) to the config's form (gpu_count's inverse)."""
+    return min(1.0, count / num_subgroups) if num_subgroups else 0.0
+
+
 def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spread") -> list[str]:
-    """Lane of each subgroup; floor(n*f) of them go to the GPU.
+    """Lane of each subgroup; gpu_count(n, f) = floor(n*f) of them go to the GPU.
 
     ``spread``: subgroup i goes to the GPU when floor((i+1)*f) > floor(i*f); with f = 1/k that is every
     k-th subgroup, the last of each run of k, as in the Deep Optimizer States paper. ``first`` / ``last``:
@@ -116,16 +130,14 @@ def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spre
         raise ValueError("num_subgroups must be >= 0")
     if not 0.0 <= gpu_fraction <= 1.0:
         raise ValueError(f"gpu_fraction must be in [0, 1], got {gpu_fraction}")
-    eps = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
-    count = math.floor(num_subgroups * gpu_fraction + eps)
+    count = gpu_count(num_subgroups, gpu_fraction)
     if placement == "first":
         return [GPU if i < count else CPU for i in range(num_subgroups)]
     if placement == "last":
         return [GPU if i >= num_subgroups - count else CPU for i in range(num_subgroups)]
     if placement != "spread":
         raise ValueError(f"placement must be first, spread or last, got {placement!r}")
-    return [GPU if math.floor((i + 1) * gpu_fraction + eps) > math.floor(i * gpu_fraction + eps) else CPU
-            for i in range(num_subgroups)]
+    return [GPU if gpu_count(i + 1, gpu_fraction) > gpu_count(i, gpu_fraction) else CPU for i in range(num_subgroups)]
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,11 @@ class Plan:
     def first_fills(self) -> list[GpuSlot]:
         """The GPU subgroups that fill a fresh staging slot (the ones whose states can be prefetched)."""
         return [s for s in self.gpu_slots if s.waits_for is None]
+
+
+def updates_in_backward(plan: Plan, sched: ScheduleConfig) -> bool:
+    """Whether the CPU lane runs during backward (overlap_backward, with any subgroup it may update)."""
+    return sched.overlap_backward and bool(plan.cpu_order or plan.swing_candidates)
 
 
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:

@@ -27,7 +27,7 @@ from .kernels import LaneAdam
 from .norms import GradNorms
 from .pinned import PinRegistry
 from .queues import Queues
-from .schedule import Plan, ScheduleConfig, make_plan
+from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
 from .swing import AdaptiveSplit, FixedSplit
 from .timeline import StepClock
 
@@ -52,7 +52,7 @@ class InterleavedStep:
                                         schedule.grads_on_gpu, device)
         for i in range(self.count):
             self.host.adopt(i)
-        if schedule.overlap_backward and (plan.cpu_order or plan.swing_candidates):
+        if updates_in_backward(plan, schedule):
             self.cpu = CpuBackwardLane(opt, self.host, self.grads, self.norms, self.adam, q, self.pins, schedule,
                                        device, plan)
         else:

@@ -48,7 +48,8 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..errors import ConfigError
-from .schedule import Plan, ScheduleConfig, make_plan, swing_candidates
+from .footprint import check_shadows_fit, check_staging_fits
+from .schedule import Plan, ScheduleConfig
 from .step import InterleavedStep
 from .timeline import Span
 
@@ -78,59 +79,6 @@ def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
     if any(g.get("amsgrad", False) for g in opt.optimizer.param_groups):
         return "AMSGrad is not supported"
     return None
-
-
-def check_staging_fits(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig,
-                       capacity_bytes: Optional[int] = None) -> None:
-    """Refuse a schedule whose step-time GPU staging cannot fit on the device at all (checked before
-    anything is allocated, so a bad config fails in seconds, not with an out-of-memory mid-step)."""
-    from ..perfmodel.model import staging_bytes
-
-    if capacity_bytes is None:
-        if not torch.cuda.is_available():
-            return
-        capacity_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
-            - torch.cuda.memory_allocated()
-    need = staging_bytes([int(n) for n in opt.fp16_partitioned_groups_flat_numel], schedule)
-    if need > capacity_bytes:
-        raise ConfigError(
-            f"the dostune schedule stages {need / 2**30:.1f} GiB on the GPU during the step, but only "
-            f"{capacity_bytes / 2**30:.1f} GiB are left on the device after the model",
-            hint="lower staging_buffers or gpu_fraction, set grads_on_gpu false, or use a smaller sub_group_size "
-                 "(dostune tune picks these under a memory budget)")
-
-
-def available_host_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_shadows_fit(opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig,
-                      available: Optional[int] = None) -> None:
-    """overlap_backward keeps a second copy of every CPU-lane subgroup's fp32 params and Adam states in host
-    memory; refuse at start-up, with the numbers, rather than swap or die of the OOM killer mid-run."""
-    if not schedule.overlap_backward:
-        return
-    available = available_host_bytes() if available is None else available
-    if available is None:
-        return
-    numel = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
-    plan = make_plan(len(numel), schedule)
-    cpu = plan.cpu_order + swing_candidates(len(numel), schedule)
-    need = 12 * sum(numel[i] for i in cpu) + 4 * max((numel[i] for i in cpu), default=0)
-    if need > 0.9 * available:
-        raise ConfigError(
-            f"overlap_backward needs {need / 2**30:.1f} GiB more host memory for shadow optimizer states, but only "
-            f"{available / 2**30:.1f} GiB are available",
-            hint="set overlap_backward false, or lower adaptive_swing, or raise gpu_fraction so fewer subgroups are "
-                 "updated on the CPU")
 
 
 class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
