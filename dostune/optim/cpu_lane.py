@@ -158,17 +158,18 @@ class CpuBackwardLane:
                  queues: Queues, pins: PinRegistry, schedule: ScheduleConfig, device: torch.device, plan: Plan):
         self._opt, self._host, self._grads, self._norms, self._queues = opt, host, grads, norms, queues
         self._adam, self._plan = adam, plan
+        reach = cpu_lane_reach(plan)
         # Each subgroup's parameter ids (those holding data on this rank), for every subgroup the lane may get, and
         # those finalised so far this backward, for the lane's subgroups this step.
-        self._pids = {i: grads.param_ids(i) for i in cpu_lane_reach(plan)}
+        self._pids = {i: grads.param_ids(i) for i in reach}
         self._seen: dict[int, set] = {}
         threads = schedule.cpu_threads or torch.get_num_threads()
-        reach = cpu_lane_reach(plan)
         ring = half_ring_count(len(reach), max(host.numel(i) for i in reach))
         self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
                                       schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
         self.worker.reserve(list(plan.swing_candidates))
         self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
+        self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
 
     def _scalars(self) -> dict:
         self._adam.sync_beta_powers()
@@ -196,12 +197,17 @@ class CpuBackwardLane:
         ov, opt = self.worker, self._opt
         if not ov.active:
             ov.open(ov.spec_factor(float(opt.loss_scale)), float(opt.loss_scale), float(opt.clip_grad))
-        if self._norms.tracks_partial:
-            host, event = self._norms.add_partial(self._pids[i])
-        else:
-            # the event the worker waits on before reading the gradient copies (on a CPU device none is needed)
-            host, event = None, (self._queues.record_current() if self._queues.cuda else None)
+        host, event = self._ready_signal(i)
         ov.ready(i, event, host)
+
+    def _with_partial_norm(self, i: int) -> tuple:
+        """(host copy of the running partial norm, event after which it and the gradient copies are done)."""
+        return self._norms.add_partial(self._pids[i])
+
+    def _gradient_event(self, i: int) -> tuple:
+        """No partial norm, and the event the worker waits on before reading the gradient copies (on a CPU device
+        none is needed)."""
+        return None, (self._queues.record_current() if self._queues.cuda else None)
 
     def before_gpu(self) -> None:
         self.worker.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts

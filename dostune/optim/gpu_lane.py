@@ -39,7 +39,10 @@ class StreamedGpuLane:
                  staging_buffers: int, grads_on_gpu: bool, device: torch.device):
         self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
         self._nbuf = staging_buffers
-        self._stream_grads = not grads_on_gpu  # the gradients come from DeepSpeed's fp32 host buffer
+        # where the gradients come from: kept on the GPU, or streamed in from DeepSpeed's fp32 host buffer
+        self._stream_grads = not grads_on_gpu
+        self._bring_in = self._states_and_grads_in if self._stream_grads else self._states_in
+        self._grad_of = self._streamed_grad if self._stream_grads else self._kept_grad
         self._plan: Optional[Plan] = None
         # This iteration's slots (slot index -> slot), used round robin; _fills counts the fills so far.
         # _prefetched: subgroup -> (start, done) of the states streamed in at the step's start.
@@ -77,8 +80,46 @@ class StreamedGpuLane:
             slot = self._slots[gs.slot] = self._new_slot()
             self._prefetched[gs.subgroup] = self._stage(gs.subgroup, slot)
 
+    def _states_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
+        """(event after which subgroup i's inputs are in the slot, its h2d span to trace after the update or None)
+        when its gradients are kept on the GPU: only the states come in, unless the step's prefetch brought them.
+        Then the update waits for this subgroup's own copies: an event recorded now would follow every copy queued
+        on the h2d stream so far, i.e. all the prefetched slots (the H100 timeline of results/h100/nt-gpt2-1.3b: the
+        first streamed subgroup's Adam waited ~16 ms for the other two)."""
+        if early is not None:
+            trace.append(("h2d", i, *early))
+            return early[1], None
+        q = self._q
+        with q.on("h2d"):
+            q.wait("h2d", slot.ready)
+            t_in = q.record("h2d")
+            states.copy_from(self._host.live(i))
+            done = q.record("h2d")
+        return done, ("h2d", i, t_in, done)
+
+    def _states_and_grads_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
+        """Likewise when the gradients come from DeepSpeed's fp32 host buffer: they stream in after the states."""
+        q, n = self._q, states.p.numel()
+        with q.on("h2d"):
+            q.wait("h2d", slot.ready)
+            if early is not None:
+                trace.append(("h2d", i, *early))
+                t_in = q.record("h2d")
+            else:
+                t_in = q.record("h2d")
+                states.copy_from(self._host.live(i))
+            slot.grad[:n].copy_(self._host.grad(i), non_blocking=True)
+            done = q.record("h2d")
+        return done, ("h2d", i, t_in, done)
+
+    def _kept_grad(self, i: int, slot: _Slot, n: int) -> Optional[torch.Tensor]:
+        return self._grads.device.get(i)
+
+    def _streamed_grad(self, i: int, slot: _Slot, n: int) -> torch.Tensor:
+        return slot.grad[:n]
+
     def queue(self, inv: float, scalars: dict, trace: list) -> None:
-        """Queue every streamed subgroup: H2D into a slot (unless its states came in at the step's start), fused
+        """Queue every streamed subgroup: H2D into a slot (the states unless they came in at the step's start), fused
         Adam, convert, D2H."""
         host, q, adam = self._host, self._q, self._adam
         for gs in self._plan.gpu_slots:
@@ -86,31 +127,13 @@ class StreamedGpuLane:
             n = host.numel(i)
             idx = self._fills % self._nslots
             self._fills += 1
-            early = self._prefetched.get(i)  # the step's prefetch filled slot k with the k-th
             slot = self._slots.get(idx)
             if slot is None:
                 slot = self._slots[idx] = self._new_slot()
-            states, live = slot.states.head(n), host.live(i)
-            if early is not None and not self._stream_grads:
-                # Params and states came in during DeepSpeed's prologue and nothing else is to copy: the update
-                # waits for this subgroup's own copies. An event recorded now would follow every copy queued on the
-                # h2d stream so far, i.e. all the prefetched slots (the H100 timeline of results/h100/nt-gpt2-1.3b:
-                # the first streamed subgroup's Adam waited ~16 ms for the other two).
-                h2d_done = early[1]
-                trace.append(("h2d", i, *early))
-            else:
-                with q.on("h2d"):
-                    q.wait("h2d", slot.ready)
-                    if early is not None:
-                        trace.append(("h2d", i, *early))
-                    else:
-                        t_in = q.record("h2d")
-                        states.copy_from(live)
-                    if self._stream_grads:
-                        t_in = q.record("h2d") if early is not None else t_in
-                        slot.grad[:n].copy_(host.grad(i), non_blocking=True)
-                    h2d_done = q.record("h2d")
-            g = slot.grad[:n] if self._stream_grads else self._grads.device.get(i)
+            states = slot.states.head(n)
+            # the step's prefetch filled slot k with the k-th
+            h2d_done, h2d_span = self._bring_in(i, slot, states, self._prefetched.get(i), trace)
+            g = self._grad_of(i, slot, n)
             if g is None:  # no gradient reached this subgroup (e.g. unused parameters): DeepSpeed's is zeros
                 with q.on("compute"):
                     g = torch.zeros(n, device=self._device)
@@ -123,10 +146,10 @@ class StreamedGpuLane:
             with q.on("d2h"):
                 q.wait("d2h", compute_done)
                 t_out = q.record("d2h")
-                live.copy_from(states)
+                host.live(i).copy_from(states)
                 slot.ready = q.record("d2h")
-            if early is None or self._stream_grads:
-                trace.append(("h2d", i, t_in, h2d_done))
+            if h2d_span is not None:
+                trace.append(h2d_span)
             trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, slot.ready)]
 
     def reset(self) -> None:

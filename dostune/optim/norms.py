@@ -36,7 +36,8 @@ def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bo
 class GradNorms:
     def __init__(self, opt, queues: Queues):
         self._opt, self._queues = opt, queues
-        self._raw_ok = get_norm_dtype() == torch.float64
+        # Python floats replay fp64 operations only: devices without fp64 keep DeepSpeed's own recording
+        self.record = self._record if get_norm_dtype() == torch.float64 else self._record_as_deepspeed
         # Parameter id -> the 2-norm of its gradient partition in DeepSpeed's norm dtype, as the norm kernel returns
         # it; what DeepSpeed would record in norm_for_param_grads follows from it exactly.
         self._raw: dict[int, torch.Tensor] = {}
@@ -49,10 +50,13 @@ class GradNorms:
         self._partial = None  # this backward's running squared norm, on the device
 
     # ------------------------------------------------------------- in backward
-    def record(self, pid: int, grad: torch.Tensor) -> None:
-        """Record parameter ``pid``'s gradient norm, as DeepSpeed's norm bookkeeping would."""
-        if not self._raw_ok or grad.numel() > RAW_NORM_MAX_NUMEL:
-            self._opt.norm_for_param_grads[pid] = self._opt._constant_buffered_norm2(grad)
+    def _record_as_deepspeed(self, pid: int, grad: torch.Tensor) -> None:
+        self._opt.norm_for_param_grads[pid] = self._opt._constant_buffered_norm2(grad)
+
+    def _record(self, pid: int, grad: torch.Tensor) -> None:
+        """Record parameter ``pid``'s gradient norm (``record``), as DeepSpeed's norm bookkeeping would."""
+        if grad.numel() > RAW_NORM_MAX_NUMEL:
+            self._record_as_deepspeed(pid, grad)
             return
         # Tensor.norm(2) is torch.functional.norm, Python that ends in torch.linalg.vector_norm(x, 2) for a strided
         # tensor: called directly here (the same kernel on the same input), without that Python on backward's path.

@@ -2,38 +2,43 @@
 is replaced by two lanes that run at the same time (step.py says how). This class holds only the DeepSpeed methods
 dostune replaces; each delegates to the object that does the work. Everything else is DeepSpeed's.
 
-==================================================  =============================================================
-DeepSpeed method                                    why dostune replaces it (-> where the work is)
-==================================================  =============================================================
-``step``                                            the subgroup loop becomes the two lanes, between DeepSpeed's own
-                                                    prologue and epilogue helpers (-> InterleavedStep.step)
-``_offload_grad_partition_at_boundary``             GPU-lane gradients stay on the GPU; the CPU lane during backward
-                                                    reads the half-precision copy and gets each subgroup as soon as
-                                                    its gradients are final (-> GradRouting.at_boundary)
-``partition_grads``                                 hands the gradient partition on instead of DeepSpeed's bitwise
-                                                    equal copy back from the host; no host copy of GPU-lane
-                                                    gradients where nothing reads it (-> GradRouting.partition)
-``complete_grad_norm_calculation_for_cpu_offload``  one host copy of all recorded norms instead of two kernels per
-                                                    parameter and two syncs per subgroup; same values
-                                                    (-> GradNorms.subgroup_norm)
-``_get_norm_groups``                                every subgroup's norm at once (-> GradNorms.all_norms)
-``reset_cpu_buffers``                               the raw norms are cleared with DeepSpeed's (-> GradNorms.clear)
-``_get_fp32_grad_state_partition``,                 DeepSpeed's gradient accessors read gradients where dostune keeps
-``get_fp32_grad_partitions``                        them (-> GradRouting.fp32_partition, .fill_partitions)
-``set_fp32_grad_for_param``,                        refuse to change a gradient an update started during backward has
-``set_local_grad_for_param``                        already read (-> GradRouting.check_writable)
-``update_fp32_grad_for_param_vectorized``           refused for gradients kept elsewhere, not silently ignored
-                                                    (-> GradRouting.refuse_vectorized_update)
-``state_dict``, ``get_full_hp_param``,              read DeepSpeed's host copies: the resident subgroups' GPU copies
-``get_local_fp32_param``                            are written back first (-> ResidentGpuLane.sync_host)
-``load_state_dict``, ``set_full_hp_param``,         write the host copies: written back first (a partial write keeps
-``set_local_hp_param``,                             the rest), uploaded to the GPU again after
-``load_hp_checkpoint_state_from_checkpoint_dir_     (-> ResidentGpuLane.sync_host, .host_changed)
-stage3``
-``refresh_fp32_params``                             rewrites the host copies (-> ResidentGpuLane.host_changed)
-``destroy``                                         stops the CPU-lane worker, unpins host memory, frees GPU copies
-                                                    (-> InterleavedStep.close)
-==================================================  =============================================================
+DeepSpeed method replaced                            why (-> where the work is)
+---------------------------------------------------  -------------------------------------------------------------------
+step                                                 the subgroup loop becomes the two lanes, between DeepSpeed's own
+                                                     prologue and epilogue helpers (-> InterleavedStep.step)
+_offload_grad_partition_at_boundary                  GPU-lane gradients stay on the GPU; the CPU lane during backward
+                                                     reads the half-precision copy and gets each subgroup as soon as its
+                                                     gradients are final (-> GradRouting.at_boundary)
+partition_grads                                      hands the gradient partition on instead of DeepSpeed's bitwise
+                                                     equal copy back from the host; no host copy of GPU-lane gradients
+                                                     where nothing reads it (-> GradRouting.partition)
+complete_grad_norm_calculation_for_cpu_offload       one host copy of all recorded norms instead of two kernels per
+                                                     parameter and two syncs per subgroup; the same values
+                                                     (-> GradNorms.subgroup_norm)
+_get_norm_groups                                     every subgroup's norm at once, the same values
+                                                     (-> GradNorms.all_norms)
+reset_cpu_buffers                                    the raw norms are cleared with DeepSpeed's (-> GradNorms.clear)
+_get_fp32_grad_state_partition                       DeepSpeed's gradient accessors read gradients where dostune keeps
+                                                     them (-> GradRouting.fp32_partition)
+get_fp32_grad_partitions                             likewise (-> GradRouting.fill_partitions)
+set_fp32_grad_for_param                              refuse to change a gradient that an update started during backward
+                                                     has already read (-> GradRouting.check_writable)
+set_local_grad_for_param                             likewise
+update_fp32_grad_for_param_vectorized                refused for gradients kept elsewhere, not silently ignored
+                                                     (-> GradRouting.refuse_vectorized_update)
+state_dict                                           reads DeepSpeed's host copies: the resident subgroups' GPU copies
+                                                     are written back first (-> ResidentGpuLane.sync_host)
+get_full_hp_param                                    likewise
+get_local_fp32_param                                 likewise
+load_state_dict                                      writes the host copies: written back first (a partial write keeps
+                                                     the rest), uploaded to the GPU again after
+                                                     (-> ResidentGpuLane.sync_host, host_changed)
+load_hp_checkpoint_state_from_checkpoint_dir_stage3  likewise
+set_full_hp_param                                    likewise
+set_local_hp_param                                   likewise
+refresh_fp32_params                                  rewrites the host copies (-> ResidentGpuLane.host_changed)
+destroy                                              stops the CPU-lane worker, unpins host memory, frees the GPU copies
+                                                     (-> InterleavedStep.close)
 
 The object is created by DeepSpeed as a ``DeepSpeedZeroOptimizer_Stage3`` and re-classed by
 :meth:`InterleavedZeroOptimizer.adopt` once its ``_dos`` (the InterleavedStep) is built, so DeepSpeed's engine,
