@@ -29,10 +29,9 @@ def test_closed_form_matches_a_scan_over_the_gpu_share(space):
     for sgs in space.sub_group_sizes:
         sizes = space.sizes(sgs)
         n = len(sizes)
-        # the closed form is the steady state without the one-off head start that prefetching gives (during
-        # backward, or during DeepSpeed's step prologue: no overhead, no prologue)
-        step = lambda k: simulate_step(sizes, ScheduleConfig(gpu_fraction=k / n, cpu_threads=t,  # noqa: E731
-                                                             prefetch_states=False),
+        # the closed form is the steady state without the one-off head start that the prefetch during DeepSpeed's
+        # step prologue gives (no overhead, no prologue)
+        step = lambda k: simulate_step(sizes, ScheduleConfig(gpu_fraction=k / n, cpu_threads=t),  # noqa: E731
                                        space.node, 0.0).step_s
         best_k = min(range(n + 1), key=step)
         k = gpu_count_for_share(sizes, f)

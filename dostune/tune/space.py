@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import DostuneError
-from ..optim.schedule import ScheduleConfig
+from ..optim.footprint import STATE_BYTES
+from ..optim.schedule import ScheduleConfig, gpu_fraction_for
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.model import (STATE_BYTES, GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
-                               gpu_lane_sizes, grad_alloc_fractions, grad_ready_fractions, predict)
+from ..perfmodel.model import (GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
+                               grad_alloc_fractions, grad_ready_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
@@ -84,8 +85,7 @@ class Space:
         # gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s
         # (results/h100/swing-gpt2-1.3b/).
         swing = max(0, min(c.gpu_count, n) - resident) if c.overlap_backward else 0
-        # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
-        return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
+        return ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
                               cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
                               overlap_backward=c.overlap_backward, resident_subgroups=resident, adaptive_swing=swing,
                               expected_subgroups=n)
@@ -118,8 +118,8 @@ class Space:
         if room == float("inf") or room <= 0:
             return 0
         count, used = 0, 0.0
-        for s in gpu_lane_sizes(p.sizes, p.schedule):
-            used += STATE_BYTES * s / GiB
+        for i in p.plan.gpu_subgroups:
+            used += STATE_BYTES * p.sizes[i] / GiB
             if used > room:
                 break
             count += 1
