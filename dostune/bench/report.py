@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .record import BenchResult, MethodResult, Span
+from .record import BenchResult, Span
 
 COLUMNS = ["method", "iter s", "fwd s", "bwd s", "step s", "speedup", "update G elem/s", "peak GPU GiB",
            "final loss"]

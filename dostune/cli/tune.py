@@ -12,6 +12,7 @@ from ..bench.report import plot_timeline
 from ..profile.record import atomic_write_text, save_record
 from ..tune.record import TuneResult
 from ..errors import NotAvailable
+from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
@@ -24,11 +25,8 @@ def _f(x, fmt="{:.3f}"):
 
 
 def _during_backward(s: dict) -> str:
-    """What the schedule updates while backward runs: the CPU lane, and how many GPU-lane subgroups."""
-    if not s.get("overlap_backward"):
-        return "no"
-    k = s.get("backward_gpu_subgroups", 0)
-    return f"CPU + {k} GPU" if k else "CPU"
+    """What the schedule updates while backward runs."""
+    return "CPU" if s.get("overlap_backward") else "no"
 
 
 def render_trials(res: TuneResult) -> Table:
@@ -39,7 +37,7 @@ def render_trials(res: TuneResult) -> Table:
         t.add_column(col, justify="right")
     for r in res.top:
         s, p = r.schedule, r.predicted
-        gpu = round(s["gpu_fraction"] * r.subgroups + 1e-9)
+        gpu = gpu_count(r.subgroups, s["gpu_fraction"])
         res_k = s.get("resident_subgroups", 0)
         t.add_row(str(r.number), f"{r.sub_group_size:.3g}", f"{gpu}/{r.subgroups}" + (f" ({res_k} resident)" if res_k else ""),
                   str(s["staging_buffers"]),
@@ -152,7 +150,7 @@ def tune(
     # the prediction the search scored: with overlap_backward, the CPU lane's work under backward included
     spans = space.predict_schedule(best.sub_group_size, sched).step.spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
-                        f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
+                        f"{best.sub_group_size:.3g}, {gpu_count(best.subgroups, sched.gpu_fraction)}/{best.subgroups} "
                         "subgroups on the GPU")
     for note in res.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

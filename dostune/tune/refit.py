@@ -20,7 +20,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..models.registry import ModelSpec
-from ..optim.schedule import SECTION, ScheduleConfig, assign_lanes, make_plan
+from ..optim.schedule import SECTION, ScheduleConfig, gpu_count, make_plan
 from ..perfmodel.subgroups import param_numels, subgroup_sizes
 
 #: DeepSpeed's zero_optimization.sub_group_size when a config does not set it
@@ -67,10 +67,6 @@ class Refit:
     notes: list[str] = field(default_factory=list)
 
 
-def _gpu_count(n: int, fraction: float) -> int:
-    return sum(1 for lane in assign_lanes(n, fraction, "first") if lane == "gpu")
-
-
 def _scaled(count: int, old_total: int, new_total: int) -> int:
     """``count`` of ``old_total`` as the same share of ``new_total`` (at least 1 when it was at least 1)."""
     if count <= 0 or old_total <= 0 or new_total <= 0:
@@ -83,19 +79,18 @@ def refit_schedule(sched: ScheduleConfig, n: int, cores: Optional[int] = None) -
     notes = []
     old_n = sched.expected_subgroups
     fraction = sched.gpu_fraction
-    g = _gpu_count(n, fraction)
+    g = gpu_count(n, fraction)
     if g == 0 and fraction > 0 and n > 1:
         # a share that rounds to nothing on few subgroups would drop the GPU lane the tuner chose
         fraction, g = min(1.0, 1 / n + 1e-9), 1
         notes.append(f"gpu_fraction raised to {fraction:.4g} so that one of the {n} subgroups is updated on the GPU")
-    old_g = _gpu_count(old_n, sched.gpu_fraction) if old_n else g
+    old_g = gpu_count(old_n, sched.gpu_fraction) if old_n else g
     resident = _scaled(sched.resident_subgroups, old_g, g) if sched.resident_subgroups else 0
     streamed = g - resident
     if sched.adaptive_swing and old_n and sched.adaptive_swing == old_g - sched.resident_subgroups:
         swing = streamed  # the tuner's rule: every streamed GPU-lane subgroup may swing
     else:
         swing = min(sched.adaptive_swing, streamed)
-    backward_gpu = min(sched.backward_gpu_subgroups, g)
     threads = sched.cpu_threads
     if threads is not None and cores is not None and threads > cores:
         notes.append(f"cpu_threads {threads} dropped: this machine has {cores} logical cores (CPU Adam uses "
@@ -105,11 +100,10 @@ def refit_schedule(sched: ScheduleConfig, n: int, cores: Optional[int] = None) -
     if backward_threads is not None and cores is not None and backward_threads > cores:
         backward_threads = None
     new = sched.model_copy(update=dict(gpu_fraction=fraction, resident_subgroups=resident, adaptive_swing=swing,
-                                       backward_gpu_subgroups=backward_gpu, cpu_threads=threads,
+                                       cpu_threads=threads,
                                        backward_cpu_threads=backward_threads, expected_subgroups=n))
     for name, before, after in (("resident_subgroups", sched.resident_subgroups, resident),
-                                ("adaptive_swing", sched.adaptive_swing, swing),
-                                ("backward_gpu_subgroups", sched.backward_gpu_subgroups, backward_gpu)):
+                                ("adaptive_swing", sched.adaptive_swing, swing)):
         if before != after:
             notes.append(f"{name} {before} -> {after}")
     ScheduleConfig.model_validate(new.model_dump())  # the combination rules still hold
