@@ -61,9 +61,11 @@ def test_adam_l2_mode(grads_on_gpu):
 
 
 @pytest.mark.slow
-def test_fp32():
+@pytest.mark.parametrize("name", ["every-2nd", "overlap"])
+def test_fp32(name):
+    # fp32 training: the "half" partitions are fp32 (the CPU lane during backward uploads its new params as they are)
     train = base_settings(precision="fp32")
-    check(run(train, SCHEDULES["every-2nd"]), reference(train))
+    check(run(train, SCHEDULES[name]), reference(train))
 
 
 @pytest.mark.slow
