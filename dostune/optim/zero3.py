@@ -46,17 +46,21 @@ checkpointing and config parsing stay untouched and every replaced method can re
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from ..deepspeed_support import check_deepspeed
 from ..errors import ConfigError
 from .footprint import check_shadows_fit, check_staging_fits
 from .schedule import Plan, ScheduleConfig
 from .step import InterleavedStep
 from .timeline import Span
+
+log = logging.getLogger(__name__)
 
 
 def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
@@ -94,6 +98,11 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Turn a constructed DeepSpeed ZeRO-3 optimizer into an interleaved one, in place."""
         if isinstance(opt, cls):
             return opt
+        # the overrides below replace private Stage-3 methods: every way in (initialize, attach, the HF callback)
+        # passes here, so this is where an untested DeepSpeed release is refused
+        note = check_deepspeed("dostune's ZeRO-3 optimizer")
+        if note:
+            log.warning(note)
         if type(opt) is not DeepSpeedZeroOptimizer_Stage3:
             raise ConfigError(f"dostune needs DeepSpeed's ZeRO-3 optimizer, got {type(opt).__name__} "
                               "(is super_offload or another ZeRO-3 variant enabled?)")
@@ -105,7 +114,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ConfigError(
                 f"the dostune section was tuned for {schedule.expected_subgroups} subgroups but this model has {n} "
                 f"at sub_group_size {opt.sub_group_size:g}",
-                hint="re-run `dostune tune` for this model, or remove 'expected_subgroups' from the dostune section")
+                hint="tune for exactly this model (a Hugging Face model: --model hf:its-config.json; the subgroups follow "
+                     "its parameter order), or carry the schedule over with `dostune refit`")
         check_staging_fits(opt, schedule)
         check_shadows_fit(opt, schedule)
         opt._dos = InterleavedStep(opt, schedule)  # built on the DeepSpeed object, before any method is replaced

@@ -93,6 +93,13 @@ def load_ds_config(path: Path) -> dict:
     cfg = read_json_record(path, "DeepSpeed config")
     ScheduleConfig.from_ds_config(cfg)  # a malformed dostune section fails here, before any work
     activation_checkpointing(cfg)  # ... and so does a malformed activation_checkpointing section
+    auto = _auto_keys(cfg)
+    if auto:
+        # DeepSpeed itself cannot read "auto": only the HF Trainer and Accelerate fill those values in
+        raise ConfigError(f"{path} leaves {', '.join(auto[:4])}{' ...' if len(auto) > 4 else ''} as \"auto\" for the "
+                          "Hugging Face Trainer or Accelerate to fill in; dostune train needs them concrete",
+                          hint="use the config `dostune tune` writes without --for (or --for deepspeed), or run it "
+                               "from the Trainer / Accelerate (docs/hf.md)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                          "gradient_accumulation_steps"))
@@ -105,6 +112,13 @@ def load_ds_config(path: Path) -> dict:
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         raise ConfigError(f"{path}: dostune trains with ZeRO stage 3; set zero_optimization.stage to 3")
     return cfg
+
+
+def _auto_keys(cfg, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is "auto" (left for the HF Trainer or Accelerate to fill)."""
+    if isinstance(cfg, dict):
+        return [k for key, v in cfg.items() for k in _auto_keys(v, f"{prefix}{key}.")]
+    return [prefix[:-1]] if cfg == "auto" else []
 
 
 def _rank() -> int:
