@@ -109,9 +109,11 @@ def test_pinned_host_memory_counts_what_the_cpu_lane_allocates():
     assert plan.cpu_order == [3, 4] and plan.swing_candidates == (2, 1)
     # shadows of all four it may update, and one ring buffer per subgroup of the widest (subgroup 1)
     assert backward_lane_host_bytes(sizes, plan, sched) == 12 * 800 + 4 * 300 * 2
-    assert pinned_host_bytes(sizes, plan, sched) == 20 * 900 + 12 * 800 + 4 * 300 * 2
+    # fp32 params, gradients, exp_avg, exp_avg_sq and DeepSpeed's bf16 gradient buffer: 18 bytes per element (20 in fp32)
+    assert pinned_host_bytes(sizes, plan, sched) == 18 * 900 + 12 * 800 + 4 * 300 * 2
+    assert pinned_host_bytes(sizes, plan, sched, grad_buffer=4) == 20 * 900 + 12 * 800 + 4 * 300 * 2
     # the ring stops at HALF_RING_BYTES (at least two buffers)
     assert half_ring_count(40, HALF_RING_BYTES // 20) == 10 and half_ring_count(40, HALF_RING_BYTES) == 2
     # at the step the CPU lane converts into two buffers (cpu_convert), and keeps no shadows
     step = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", upload="cpu_convert")
-    assert pinned_host_bytes(sizes, make_plan(5, step), step) == 20 * 900 + 2 * 200 * 2
+    assert pinned_host_bytes(sizes, make_plan(5, step), step) == 18 * 900 + 2 * 200 * 2

@@ -23,12 +23,14 @@ from ..errors import DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
 from ..deepspeed_support import check_deepspeed
+from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
 from ..profile.identity import cuda_available, deepspeed_version, nvml, nvml_handle
 from ..profile.timing import NullProgress, ProgressSink
 from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
+from .host_memory import fit_host_memory
 from .record import BenchResult, MethodResult, Span
 
 METHODS: dict[str, str] = {
@@ -179,7 +181,10 @@ def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) 
     v = opts.variant(name)
     sched = v.schedule if v is not None else (opts.schedule or ScheduleConfig())
     dsgs = v.sub_group_size if v is not None else opts.dostune_sub_group_size
-    return OffloadSettings(sub_group_size=dsgs or sgs, ratio=1.0, schedule=sched.model_copy(update={"trace": True}))
+    # pin_memory off: dostune page-locks DeepSpeed's buffers in place, without the power-of-two rounding
+    # (optim/footprint.py)
+    return OffloadSettings(sub_group_size=dsgs or sgs, ratio=1.0, pin_memory=False,
+                           schedule=sched.model_copy(update={"trace": True}))
 
 
 def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: float) -> float:
@@ -338,6 +343,10 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
             warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed,
             methods={name: pool_rounds(runs[name]) for name in methods if runs[name]})
 
+    numels = param_numels(spec)
+    host_available = available_host_bytes()
+    if host_available is not None:  # the ranks of one node share it
+        host_available //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     twin_ratio = None
     for r in range(opts.rounds):
         # Reversed every other round: a machine that drifts over minutes then favours no method.
@@ -347,7 +356,15 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                 if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
                     twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
-            res = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), sink)
+            try:
+                off, note = fit_host_memory(name, _method_offload(name, opts, twin_ratio), numels, opts.precision,
+                                            host_available)
+            except DostuneError as e:
+                res = MethodResult(method=name, description=opts.describe(name), ran=False, error=str(e))
+            else:
+                res = run_method(name, spec, opts, off, sink)
+                if note and res.ran:
+                    res.description += f" ({note})"
             if name == "twin-flow-mem" and res.ran:
                 res.description += f" (ratio {twin_ratio})"
             runs[name].append(res)

@@ -52,6 +52,12 @@ class InterleavedStep:
                                         schedule.grads_on_gpu, device)
         for i in range(self.count):
             self.host.adopt(i)
+        # DeepSpeed page-locks its gradient-partition buffer only with offload_optimizer.pin_memory, and then as a
+        # power-of-two-rounded pinned copy; dostune's configs leave that off (footprint.py), so it is locked in place
+        # here: backward's gradient copies into it stay asynchronous.
+        flat = getattr(opt, "grad_partitions_flat_buffer", None)
+        if flat is not None:
+            self.pins.pin("grad_partitions", flat)
         if updates_in_backward(plan, schedule):
             self.cpu = CpuBackwardLane(opt, self.host, self.grads, self.norms, self.adam, q, self.pins, schedule,
                                        device, plan)

@@ -55,7 +55,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..deepspeed_support import check_deepspeed
 from ..errors import ConfigError
-from .footprint import check_shadows_fit, check_staging_fits
+from .footprint import check_host_fits, check_staging_fits
 from .schedule import Plan, ScheduleConfig
 from .step import InterleavedStep
 from .timeline import Span
@@ -117,7 +117,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 hint="tune for exactly this model (a Hugging Face model: --model hf:its-config.json; the subgroups follow "
                      "its parameter order), or carry the schedule over with `dostune refit`")
         check_staging_fits(opt, schedule)
-        check_shadows_fit(opt, schedule)
+        check_host_fits(opt, schedule)
         opt._dos = InterleavedStep(opt, schedule)  # built on the DeepSpeed object, before any method is replaced
         opt.__class__ = cls
         return opt

@@ -260,8 +260,10 @@ def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, c
     sched = ScheduleConfig.model_validate(rec.schedule)
     train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip,
                           activation_checkpointing=activation_checkpointing)
-    return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched)),
-                     target)
+    # pin_memory off: dostune page-locks DeepSpeed's buffers in place, without the power-of-two rounding of
+    # DeepSpeed's pinned copies (optim/footprint.py: what lets llama-7b fit a 125 GiB host)
+    return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, pin_memory=False,
+                                                             schedule=sched)), target)
 
 
 def output_dir(opts: TuneOptions) -> Path:
