@@ -41,15 +41,15 @@ def model_subgroups(spec: ModelSpec, sub_group_size: int, world_size: int = 1,
 
 def check_fits(ds_config: dict, spec: ModelSpec, source: str, world: "World | int | None" = None) -> Optional[int]:
     """Refuse, before the engine is built, a dostune section that cannot run here: tuned for another world (the
-    config's ``dostune_world``; ``world``: the run's, None = the launcher's environment), launched with more ranks
-    per node than the node has GPUs, tuned for another subgroup count, or with more resident subgroups than the GPU
+    config's ``dostune_world``; ``world``: the run's, None = the launcher's environment) or launched with more ranks
+    per node than the node has GPUs (checked first), tuned for another subgroup count, or with more resident subgroups than the GPU
     lane has. Returns the subgroup count (None without a dostune section)."""
     sched = ScheduleConfig.from_ds_config(ds_config)
     if sched is None:
         return None
     run = World.of_run() if world is None else World(1, world) if isinstance(world, int) else world
+    check_local_gpus(run)  # no GPU for this rank says more than "another world" would
     check_world(ds_config, source, spec.name, run)
-    check_local_gpus(run)
     world_size = run.size
     sgs = config_sub_group_size(ds_config)
     n = model_subgroups(spec, sgs, world_size)
