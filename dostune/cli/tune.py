@@ -11,7 +11,7 @@ from rich.table import Table
 from ..bench.report import plot_timeline
 from ..profile.record import atomic_write_text, save_record
 from ..tune.record import TuneResult
-from ..errors import NotAvailable
+from ..errors import DostuneError, NotAvailable
 from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
@@ -79,7 +79,8 @@ def tune(
     profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Without a GPU and without "
                                            "this, the shipped H100 profile is used."),
     model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
-                                                 "NODE-MODEL-bB-sS.json beside the node profile, if any."),
+                                                 "NODE-MODEL-bB-sS.json (NODE-MODEL-bB-sS-MxN.json for M nodes of N "
+                                                 "GPUs) beside the node profile, if any."),
     trials: int = typer.Option(50, min=1, help="Optuna trials (in total: a resumed study runs only the rest)."),
     sampler: str = typer.Option("tpe", help="Optuna sampler: " + ", ".join(SAMPLERS) + "."),
     seed: int = typer.Option(0, help="Sampler seed."),
@@ -146,6 +147,10 @@ def tune(
                        hostfile=hostfile, host_memory_budget=host_memory_budget)
     check_options(opts)
     if validate:
+        if opts.world().size > 1:
+            raise DostuneError("--validate runs the schedules in this one process, not in the world tuned for",
+                               hint="measure them under the launcher: deepspeed --num_gpus N --module dostune.bench "
+                                    "--config ds_config.json (docs/multi-gpu.md)")
         if not cuda_available():
             raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU",
                                hint="leave out --validate on this machine")
