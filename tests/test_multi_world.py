@@ -253,3 +253,24 @@ def test_a_methods_result_over_ranks_is_the_slowest_ranks_with_every_ranks_memor
     assert [(r.rank, r.iter_s, r.peak_gpu_gib) for r in out.ranks] == [(0, 0.5, 10.0), (1, 0.6, 9.0)]
     failed = combine_ranks([_result(0.5, 10.0), _result(0.6, 9.0, ran=False)])
     assert not failed.ran and failed.error == "on rank 1: boom"
+
+
+@pytest.mark.gpu
+def test_a_node_with_two_gpus_is_measured_together():
+    """On a machine with at least 2 GPUs (scripts/gpu-tests.sh): the quick profile measures them together."""
+    import torch
+
+    from dostune.profile.node import NodeProfileOptions, measure_node
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    opts = NodeProfileOptions.tiny()
+    opts.ranks_per_node = 2
+    p = measure_node(opts)
+    assert p.schema_version == 2 and p.host.gpus == torch.cuda.device_count()
+    mg = p.multi_gpu
+    assert mg.gpus == [0, 1] and len(mg.common_ancestor) == 2 and mg.common_ancestor[0][0] == "self"
+    assert all(s.fit.rate_per_s > 0 for s in (mg.copies.h2d, mg.copies.d2h, mg.copies.duplex_h2d))
+    assert set(p.cpu_adam.concurrent) == {2} and p.contention.gpus == 2
+    rank, _ = rank_inputs(p, World(1, 2))
+    assert rank.h2d.rate == pytest.approx(mg.copies.h2d.fit.rate_per_s)

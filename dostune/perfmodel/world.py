@@ -222,14 +222,14 @@ def rank_inputs(profile: NodeProfile, world: World) -> tuple[NodeInputs, list[st
         {min(node.cpu_adam): _capped(node.cpu_adam[min(node.cpu_adam)], share)}
     best = max(threads, key=lambda t: threads[t].rate)
     # the other memory-bound host loops (measured alone) slow down as much as CPU Adam's best rate does
-    mem_share = node.cpu_adam[node.best_threads].rate / share
+    mem_share = max(1.0, node.cpu_adam[node.best_threads].rate / share)
     # PCIe
     mg = profile.multi_gpu
     if mg is not None and len(mg.gpus) == n:
         c = mg.copies
         h2d, d2h = Cost.of(c.h2d.fit), Cost.of(c.d2h.fit)
         h2d_duplex, d2h_duplex = Cost.of(c.duplex_h2d.fit), Cost.of(c.duplex_d2h.fit)
-        pageable_share = node.h2d.rate / h2d.rate  # pageable copies slowed as much as pinned ones
+        pageable_share = max(1.0, node.h2d.rate / h2d.rate)  # pageable copies slowed as much as pinned ones
         notes.append(f"PCIe: copy rates measured with {n} GPUs copying at once (the slowest GPU's)")
     else:
         link = shared_link_group(profile, n)

@@ -108,34 +108,46 @@ class _DeviceBuffers:
         self.down = torch.cuda.Stream(device=self.device)
 
 
+def _copy(b: _DeviceBuffers, kind: str, size: int) -> None:
+    stream = b.up if kind == "h2d" else b.down
+    with torch.cuda.stream(stream):
+        if kind == "h2d":
+            b.dev_dst[:size].copy_(b.host_src[:size], non_blocking=True)
+        else:
+            b.host_dst[:size].copy_(b.dev_src[:size], non_blocking=True)
+
+
 def _together(bufs: list[_DeviceBuffers], size: int, kinds: tuple[str, ...], repeats: int, inner: int,
               progress: ProgressSink) -> dict[str, Stat]:
     """Every GPU runs ``inner`` copies of each kind in ``kinds`` ("h2d" on its up stream, "d2h" on its down
-    stream) at once; per kind, the slowest GPU's seconds per copy, over ``repeats`` rounds after one warm-up."""
+    stream) at once; per kind, the slowest GPU's seconds per copy, over ``repeats`` rounds after one warm-up. The
+    copies are enqueued round-robin over GPUs and kinds, so that every stream is busy from the first copy on."""
     out: dict[str, list[float]] = {k: [] for k in kinds}
     for rep in range(repeats + 1):
         for b in bufs:
             torch.cuda.synchronize(b.device)
-        events = []
-        for b in bufs:  # enqueue everything first: the copies run while the host moves on to the next GPU
+        events = {}
+        for b in bufs:
             with torch.cuda.device(b.device):
                 for kind in kinds:
-                    stream = b.up if kind == "h2d" else b.down
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
-                    with torch.cuda.stream(stream):
-                        for _ in range(inner):
-                            if kind == "h2d":
-                                b.dev_dst[:size].copy_(b.host_src[:size], non_blocking=True)
-                            else:
-                                b.host_dst[:size].copy_(b.dev_src[:size], non_blocking=True)
-                    end.record(stream)
-                    events.append((kind, start, end))
+                    start.record(b.up if kind == "h2d" else b.down)
+                    events[(b.device, kind)] = (start, end)
+        for _ in range(inner):
+            for b in bufs:
+                with torch.cuda.device(b.device):
+                    for kind in kinds:
+                        _copy(b, kind, size)
+        for b in bufs:
+            with torch.cuda.device(b.device):
+                for kind in kinds:
+                    events[(b.device, kind)][1].record(b.up if kind == "h2d" else b.down)
         for b in bufs:
             torch.cuda.synchronize(b.device)
         if rep:
             for kind in kinds:
-                out[kind].append(max(s.elapsed_time(e) for k, s, e in events if k == kind) / 1e3 / inner)
+                out[kind].append(max(s.elapsed_time(e) for (_, k), (s, e) in events.items() if k == kind)
+                                 / 1e3 / inner)
             progress.advance()
     return {k: Stat.of(v) for k, v in out.items()}
 
