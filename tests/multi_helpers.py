@@ -63,7 +63,8 @@ def rank_report(rank: int, world: int, port: int, sub_group_size: int, conn) -> 
     """One rank of a world spawned without the launcher (the environment it would set, gloo over 127.0.0.1):
     the subgroup sizes DeepSpeed's ZeRO-3 engine forms for OddLM, and a model profile measured on every rank."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")  # CPU ranks, on a GPU machine too
     torch.set_num_threads(1)
     try:
         from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config

@@ -3,7 +3,8 @@ config tuned for 2 GPUs run unedited under DeepSpeed's launcher, two "nodes" lau
 launches them, and the bench under the launcher. Losses equal plain DeepSpeed ZeRO-3 offload's step for step.
 
 The ranks run with OMP_NUM_THREADS=1: four ranks of two OpenMP threads each on a 2-core machine run ten times
-slower, and a rank's thread count changes no result here (ours and the reference use the same)."""
+slower, and a rank's thread count changes no result here (ours and the reference use the same). They are CPU ranks on
+a GPU machine too (no CUDA device visible, DeepSpeed's CPU accelerator)."""
 import json
 import multiprocessing as mp
 import os
@@ -19,6 +20,7 @@ from dostune.cli.app import app
 from dostune.models.registry import resolve_model
 from dostune.perfmodel.subgroups import param_numels, subgroup_sizes
 from dostune.perfmodel.world import WORLD_KEY
+from dostune.profile.paths import shipped_profile
 from dostune.tune.refit import model_subgroups
 
 pytestmark = pytest.mark.slow
@@ -34,7 +36,7 @@ def _port() -> int:
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
                                                             "LOCAL_SIZE", "LOCAL_WORLD_SIZE")}
-    return env | {"OMP_NUM_THREADS": "1"}
+    return env | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 
 
 def _launch(*args: str, cwd: Path) -> subprocess.Popen:
@@ -52,7 +54,8 @@ def _finish(*procs: subprocess.Popen) -> list[str]:
 def _tiny_config(tmp_path: Path, *world: str) -> Path:
     """`dostune tune` for gpt2-1.3b in that world from the shipped H100 profile, carried over to gpt2-tiny with
     `dostune refit` (as examples/cli_flow.sh does on a CPU): the file the ranks run, unedited."""
-    r = CliRunner().invoke(app, ["tune", "--model", "gpt2-1.3b", "--trials", "3", "--gpu-memory-budget", "20",
+    r = CliRunner().invoke(app, ["tune", "--model", "gpt2-1.3b", "--profile", str(shipped_profile()), "--trials", "3",
+                                 "--gpu-memory-budget", "20",
                                  "--output-dir", str(tmp_path / "tune"), *world])
     assert r.exit_code == 0, r.output
     out = tmp_path / "tiny.json"
