@@ -51,15 +51,15 @@ def _finish(*procs: subprocess.Popen) -> list[str]:
     return outs
 
 
-def _tiny_config(tmp_path: Path, *world: str) -> Path:
+def _tiny_config(tmp_path: Path, *world: str, name: str = "tiny") -> Path:
     """`dostune tune` for gpt2-1.3b in that world from the shipped H100 profile, carried over to gpt2-tiny with
     `dostune refit` (as examples/cli_flow.sh does on a CPU): the file the ranks run, unedited."""
     r = CliRunner().invoke(app, ["tune", "--model", "gpt2-1.3b", "--profile", str(shipped_profile()), "--trials", "3",
                                  "--gpu-memory-budget", "20",
-                                 "--output-dir", str(tmp_path / "tune"), *world])
+                                 "--output-dir", str(tmp_path / f"tune-{name}"), *world])
     assert r.exit_code == 0, r.output
-    out = tmp_path / "tiny.json"
-    r = CliRunner().invoke(app, ["refit", "--config", str(tmp_path / "tune" / "ds_config.json"), "--model",
+    out = tmp_path / f"{name}.json"
+    r = CliRunner().invoke(app, ["refit", "--config", str(tmp_path / f"tune-{name}" / "ds_config.json"), "--model",
                                  "gpt2-tiny", "--micro-batch", "2", "--output", str(out)])
     assert r.exit_code == 0, r.output
     return out
@@ -111,15 +111,24 @@ def _metrics(tmp_path: Path, name: str, ranks: int) -> list[list[float]]:
 
 def test_a_config_tuned_for_two_gpus_runs_unedited_under_the_launcher(tmp_path):
     """`dostune tune --num-gpus 2` -> refit -> `deepspeed --num_gpus 2 --module dostune.train`: both ranks run the
-    interleaved optimizer, and every rank's losses equal plain DeepSpeed ZeRO-3 offload's step for step."""
+    interleaved optimizer, and every rank's losses equal plain DeepSpeed ZeRO-3 offload's step for step. The config
+    tuned for one GPU, launched the same way, stops on its ranks before any engine: one line, exit 2, no metrics."""
     cfg = _tiny_config(tmp_path, "--num-gpus", "2")
+    one = _tiny_config(tmp_path, name="one-gpu")
     assert json.loads(cfg.read_text())[WORLD_KEY] == {"nodes": 1, "gpus_per_node": 2}
-    common = ["--module", "dostune.train", "--config", str(cfg), "--model", "gpt2-tiny", "--steps", "3", "--seq",
-              "16"]
+    common = ["--module", "dostune.train", "--model", "gpt2-tiny", "--steps", "3", "--seq", "16"]
+    refused = _launch("--num_gpus", "2", "--master_port", str(_port()), *common, "--config", str(one), "--metrics",
+                      "refused.jsonl", cwd=tmp_path)
     ours, ref = _finish(
-        _launch("--num_gpus", "2", "--master_port", str(_port()), *common, "--metrics", "ours.jsonl", cwd=tmp_path),
-        _launch("--num_gpus", "2", "--master_port", str(_port()), *common, "--metrics", "ref.jsonl",
-                "--plain-deepspeed", cwd=tmp_path))
+        _launch("--num_gpus", "2", "--master_port", str(_port()), *common, "--config", str(cfg), "--metrics",
+                "ours.jsonl", cwd=tmp_path),
+        _launch("--num_gpus", "2", "--master_port", str(_port()), *common, "--config", str(cfg), "--metrics",
+                "ref.jsonl", "--plain-deepspeed", cwd=tmp_path))
+    out = refused.communicate(timeout=300)[0]
+    assert refused.returncode == 2, out[-3000:]
+    errors = {line for line in out.splitlines() if line.startswith("error:")}  # each rank says the same line
+    assert errors == {f"error: {one} was tuned for 1 node x 1 GPU (1 rank) but runs on 1 node x 2 GPUs (2 ranks)"}
+    assert not list(tmp_path.glob("refused*"))
     assert "InterleavedZeroOptimizer: ran steps 1-3" in ours and "InterleavedZeroOptimizer" not in ref
     assert "slowest rank" in ours  # rank 0's summary of both ranks
     a, b = _metrics(tmp_path, "ours", 2), _metrics(tmp_path, "ref", 2)

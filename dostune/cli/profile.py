@@ -130,7 +130,9 @@ def _output_path(output: Optional[Path], force: bool, default_name) -> Path:
 
 
 def render_model_profile(p) -> Table:
-    t = Table(title=f"model profile: {p.model} (micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}) on {p.node}")
+    world = f", {p.world_size} ranks on {p.world.nodes} node(s), the slowest rank's" if p.world_size > 1 else ""
+    t = Table(title=f"model profile: {p.model} (micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}{world}) on "
+                    f"{p.node}")
     for col in ("phase", "time s (median)", "spread", "peak alloc GiB", "min alloc GiB", "free GiB", "PCIe tx/rx GB/s"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     for ph, x in p.phases.items():

@@ -13,19 +13,21 @@ from .common import err_console, flag, handle_errors, need_deepspeed, print_json
 
 
 def _gather_rank_figures(records: list) -> list:
-    """Every rank's median step figures (after the first step, which builds and warms up) and peak GPU memory."""
+    """Every rank's median step figures (after the first step, which builds and warms up) and peak GPU memory.
+    Every rank of several takes part (one with no steps sends nothing), else the others would wait for it."""
     import statistics
 
     from ..bench.record import RankFigures
     from ..perfmodel.world import World, gather_ranks, rank
 
-    if World.of_run().size == 1 or not records:
+    if World.of_run().size == 1:
         return []
     timed = records[1:] or records
     mine = RankFigures(rank=rank(), **{k: statistics.median(getattr(r, k) for r in timed)
                                        for k in ("iter_s", "fwd_s", "bwd_s", "step_s")},
-                       peak_gpu_gib=max((r.gpu_mem_gib for r in records if r.gpu_mem_gib is not None), default=None))
-    return sorted(gather_ranks(mine), key=lambda r: r.rank)
+                       peak_gpu_gib=max((r.gpu_mem_gib for r in records if r.gpu_mem_gib is not None), default=None)) \
+        if records else None
+    return sorted((f for f in gather_ranks(mine) if f is not None), key=lambda r: r.rank)
 
 
 @handle_errors
