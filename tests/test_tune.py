@@ -198,3 +198,10 @@ def test_overlap_schedules_let_every_streamed_gpu_subgroup_swing(space):
     off = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, False))
     assert off.schedule.adaptive_swing == 0
 
+
+
+def test_a_model_whose_offloaded_state_no_schedule_fits_on_the_host_is_refused_first():
+    # llama-13b's offloaded state (18 bytes a parameter, pinned) is larger than the shipped H100 node's host memory:
+    # refused before the missing model profile is asked for (profiling it would be killed by the OOM killer)
+    with pytest.raises(DostuneError, match="pin at least 218.2 GiB of host memory for llama-13b"):
+        build_space(TuneOptions(model="llama-13b", profile=shipped_profile()))

@@ -12,7 +12,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..train.checkpoint import read_latest
 from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
+from ..bench.report import describe_ranks
 from .common import err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
+
+
+def _gather_rank_figures(records: list) -> list:
+    """Every rank's median step figures (after the first step, which builds and warms up) and peak GPU memory.
+    Every rank of several takes part (one with no steps sends nothing), else the others would wait for it."""
+    import statistics
+
+    from ..bench.record import RankFigures
+    from ..perfmodel.world import World, gather_ranks, rank
+
+    if World.of_run().size == 1:
+        return []
+    timed = records[1:] or records
+    mine = RankFigures(rank=rank(), **{k: statistics.median(getattr(r, k) for r in timed)
+                                       for k in ("iter_s", "fwd_s", "bwd_s", "step_s")},
+                       peak_gpu_gib=max((r.gpu_mem_gib for r in records if r.gpu_mem_gib is not None), default=None)) \
+        if records else None
+    return sorted((f for f in gather_ranks(mine) if f is not None), key=lambda r: r.rank)
 
 
 @handle_errors
@@ -63,6 +82,8 @@ def train(
 
     Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
       deepspeed --num_gpus 2 --module dostune.train --config ds_config.json --model gpt2-1.3b --steps 200
+    with a config tuned for that world (dostune tune --num-gpus 2); one tuned for another world stops before the
+    engine is built. At the end rank 0 shows the slowest rank's phases and every rank's peak memory.
 
     Example: dostune train --config runs/tune/gpt2-1.3b/ds_config.json --model gpt2-1.3b --steps 200 --data corpus/
     """
@@ -78,10 +99,12 @@ def train(
     check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
+    records = []
     with progress:
         task = progress.add_task("train", total=steps, info="building the engine...")
 
         def on_step(r):
+            records.append(r)
             mem = f" | {r.gpu_mem_gib:.1f} GiB" if r.gpu_mem_gib is not None else ""
             info = (f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s | {r.iter_s:.3f} s = fwd {r.fwd_s:.3f} + bwd "
                     f"{r.bwd_s:.3f} + step {r.step_s:.3f}{mem}")
@@ -91,6 +114,9 @@ def train(
 
         with quiet_stdout():
             summary = run_train(opts, on_step=on_step)
+    ranks = _gather_rank_figures(records)  # under the launcher: every rank's, on every rank
+    if rank0 and len(ranks) > 1:
+        err_console.print(describe_ranks(ranks), highlight=False, soft_wrap=True)
     if rank0:
         err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
                           f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))

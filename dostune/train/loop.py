@@ -147,7 +147,7 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
     if opts.metrics is not None:
         check_writable(opts.metrics, "--metrics")
     if not opts.plain_deepspeed:
-        check_fits(cfg, spec, str(opts.config), int(os.environ.get("WORLD_SIZE", "1")))
+        check_fits(cfg, spec, str(opts.config))  # and the world it was tuned for, against the launcher's
     return cfg, spec
 
 
