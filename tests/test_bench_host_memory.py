@@ -1,7 +1,7 @@
 """Which form of a bench method the host's memory holds, decided before anything is built."""
 import pytest
 
-from dostune.bench.host_memory import fit_host_memory
+from dostune.host_memory import fit_host_memory
 from dostune.dsconfig import OffloadSettings
 from dostune.errors import DostuneError
 from dostune.models.registry import resolve_model

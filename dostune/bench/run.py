@@ -37,7 +37,7 @@ from ..profile.timing import NullProgress, ProgressSink
 from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
-from .host_memory import fit_host_memory
+from ..host_memory import fit_host_memory
 from .record import BenchResult, MethodResult, RankFigures, Span
 
 METHODS: dict[str, str] = {

@@ -18,8 +18,11 @@ import torch
 from .._version import __version__
 from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
+from ..host_memory import fit_host_memory
 from ..invocation import invocation
 from ..models.registry import loss_of, resolve_model
+from ..optim.footprint import available_host_bytes
+from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import World, gather_ranks
 from ..stats import Stat
 from . import identity
@@ -227,8 +230,15 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     if opts.activation_checkpointing:
         notes.append("activation checkpointing on: backward includes each block's recomputed forward, and memory "
                      "holds only the blocks' inputs between forward and backward")
-    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
-                                                  extra_zero={"reduce_bucket_size": opts.reduce_bucket_size}))
+    offload = OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
+                              extra_zero={"reduce_bucket_size": opts.reduce_bucket_size})
+    # ZeRO-Offload as this host's memory holds it (without pin_memory where its pinned copies would not fit: the
+    # OOM killer would end the profile otherwise); a model whose state cannot fit at all stops here, in one line
+    offload, host_note = fit_host_memory("zero-offload", offload, param_numels(spec), opts.precision,
+                                         available_host_bytes())
+    if host_note:
+        notes.append(f"ZeRO-Offload measured with {host_note}")
+    cfg = deepspeed_config(train, offload)
     progress.start(f"{opts.model}: building the ZeRO-3 offload engine", 1)
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=False)
     progress.advance()

@@ -1,16 +1,17 @@
-"""Which form of a bench method this host's memory can hold, decided before anything is built: a method that
-does not fit is a row saying so instead of minutes of engine building ended by the OOM killer."""
+"""Which form of an offload method this host's memory can hold, decided before anything is built (by bench for
+each method, and by the model profile for its ZeRO-Offload run): what does not fit is said in one line instead of
+minutes of engine building ended by the OOM killer."""
 from __future__ import annotations
 
 import os
 from dataclasses import replace
 from typing import Optional
 
-from ..dsconfig import OffloadSettings
-from ..errors import DostuneError
-from ..optim.footprint import HOST_BASE_BYTES, deepspeed_offload_host_bytes, grad_buffer_bytes, pinned_host_bytes
-from ..optim.schedule import make_plan
-from ..perfmodel.subgroups import subgroup_sizes
+from .dsconfig import OffloadSettings
+from .errors import DostuneError
+from .optim.footprint import HOST_BASE_BYTES, deepspeed_offload_host_bytes, grad_buffer_bytes, pinned_host_bytes
+from .optim.schedule import make_plan
+from .perfmodel.subgroups import subgroup_sizes
 
 
 def fit_host_memory(name: str, off: OffloadSettings, numels: list[int], precision: str,
