@@ -23,9 +23,10 @@ from ..errors import DostuneError, ProfileError
 from ..stats import Stat, linear_fit
 
 # 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
-# Version 1 profiles still load: the new fields take their defaults.
-NODE_SCHEMA_VERSION = 2
-NODE_READABLE_VERSIONS = (1, 2)
+# 3: copies.d2h_pageable. Older profiles still load: the new fields take their defaults (the performance model says
+# what it uses instead).
+NODE_SCHEMA_VERSION = 3
+NODE_READABLE_VERSIONS = (1, 2, 3)
 NODE_KIND = "dostune.node-profile"
 
 
@@ -115,10 +116,11 @@ class GpuInfo(_Record):
 
 
 class CopyProfile(_Record):
-    """Host<->device copies with pinned host memory (and pageable H2D for comparison).
+    """Host<->device copies with pinned host memory, and with pageable memory as DeepSpeed copies without pin_memory.
 
     ``duplex_*`` are the two directions running at the same time on separate streams; each is
     timed on its own stream, so its rate is what that direction gets while the other is busy.
+    ``d2h_pageable`` (v3) is timed on the host, as the copy blocks it (ZeRO-Offload's gradient copies in backward).
     """
 
     h2d: Series
@@ -126,6 +128,7 @@ class CopyProfile(_Record):
     duplex_h2d: Series
     duplex_d2h: Series
     h2d_pageable: Series
+    d2h_pageable: Optional[Series] = None
 
 
 class PinnedCopies(_Record):
