@@ -106,10 +106,12 @@ def test_older_profile_falls_back_and_says_so():
 
 def test_measured_step_shape_and_lane_speed():
     n = node()
-    m = model(step_shares=(0.7, 0.4), lane_threads=16, lane_beside_s_per_elem=1.2 * (1 / 20e9 + 1 / 4e9 + 1 / 10e9))
+    composed = 1 / 20e9 + 1 / 4e9 + 1 / 10e9  # unscale + CPU Adam + CPU conversion, seconds per element
+    m = model(step_shares=(0.7, 0.4), lane_threads=16, lane_beside_s_per_elem=1.2 * composed,
+              lane_alone_s_per_elem=0.8 * composed)
     s = Coefficients.of(n, m, SIZES).shape
     assert (s.prologue_share, s.release_share) == (0.7, 0.4)
-    assert s.lane_backward_slowdown == pytest.approx(1.2)
+    assert s.lane_backward_slowdown == pytest.approx(1.2) and s.lane_step_slowdown == pytest.approx(0.8)
 
 
 def test_cpu_adam_and_unscale_at_the_rates_the_engine_ran_them():

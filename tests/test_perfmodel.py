@@ -69,6 +69,15 @@ def test_overlap_backward_by_hand():
     late = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.1])
     plain = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9
     assert late.lanes_s == pytest.approx(plain + 2e9 / 50e9)  # + its half-precision upload
+    # the lane's kernel alone at 0.8 of the node's CPU-lane time: what it has left for the step goes that much faster;
+    # during backward it runs 1.2 times the node's
+    from dostune.perfmodel.coefficients import StepShape
+
+    shape = StepShape(lane_step_slowdown=0.8, lane_backward_slowdown=1.2)
+    measured = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.1], shape=shape)
+    assert measured.lanes_s == pytest.approx(0.8 * plain + 2e9 / 50e9)
+    first = next(x for x in measured.spans if x.lane == "cpu" and x.subgroup == 1)
+    assert first.end - first.start == pytest.approx(1.2 * plain)
     # without readiness (no model profile) the CPU lane runs in the step as before
     assert simulate_step(sizes, sched, n).lanes_s == simulate_step(sizes, ScheduleConfig(gpu_fraction=0.0,
                                                                                          cpu_threads=16), n).lanes_s

@@ -17,7 +17,8 @@ from .inputs import Cost, ModelInputs, NodeInputs
 from .zero_offload import ds_offload_step_lanes
 
 # Fallbacks for profiles that did not measure a coefficient, each the value the model used before it was measured
-# and where that value came from (none of them from the benches the model is checked against, tests/test_model_check.py):
+# and where that value came from (none of them from the benches the model is checked against,
+# tests/test_model_check.py):
 # - the share of DeepSpeed's step overhead before the lanes can compute, and of it the parameter release: 86 and 57
 #   of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (results/h100/resident-gpt2-1.3b/trace-summary.txt);
 FALLBACK_PROLOGUE_SHARE = 0.85
@@ -39,7 +40,10 @@ class StepShape:
 
     prologue_share: float = FALLBACK_PROLOGUE_SHARE  # of the overhead, before the lanes' time 0
     release_share: float = FALLBACK_RELEASE_SHARE  # of the overhead, the parameter release the lanes may run under
+    # overlap_backward's CPU lane (dostune's out-of-place kernel) against unscale + CPU Adam + CPU conversion at the
+    # node's rates and the same threads: during backward, and alone (its subgroups left to the step)
     lane_backward_slowdown: float = FALLBACK_LANE_BACKWARD_SLOWDOWN
+    lane_step_slowdown: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,17 @@ def step_shape(node: NodeInputs, m: ModelInputs, notes: list[str]) -> StepShape:
         notes.append(_older(m, "DeepSpeed's step by part") + f"; the lanes start {FALLBACK_PROLOGUE_SHARE:.0%} and "
                      f"{FALLBACK_RELEASE_SHARE:.0%} into the step overhead as in gpt2-1.3b's H100 trace")
     prologue, release = shares if shares is not None else (FALLBACK_PROLOGUE_SHARE, FALLBACK_RELEASE_SHARE)
-    lane = FALLBACK_LANE_BACKWARD_SLOWDOWN
+    lane, alone = FALLBACK_LANE_BACKWARD_SLOWDOWN, 1.0
     if m.lane_beside_s_per_elem is not None and m.lane_threads is not None:
         size = 10**8  # per element at a subgroup's size, where the fitted overheads hardly count
-        lane = m.lane_beside_s_per_elem * size / node.cpu_lane_seconds(size, m.lane_threads, "cpu_convert")
+        composed = node.cpu_lane_seconds(size, m.lane_threads, "cpu_convert") / size
+        lane = m.lane_beside_s_per_elem / composed
+        alone = m.lane_alone_s_per_elem / composed if m.lane_alone_s_per_elem else 1.0
     elif m.profile_schema is not None:
         notes.append(_older(m, "the CPU lane beside backward") + f"; it is taken to run "
                      f"{FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the node profile's CPU-lane time there")
-    return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane)
+    return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane,
+                     lane_step_slowdown=alone)
 
 
 def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int, notes: list[str]) -> Optional[BackwardInputs]:

@@ -98,8 +98,8 @@ class NodeInputs(BaseModel):
 
 def timed_backward(m: ModelProfile) -> float:
     """ZeRO-Offload's median backward. Profiles before schema 3 timed the iteration that records the memory timeline
-    and the gradients' readiness too, whose hooks slowed it (its backward, ``backward_s``, up to 1.6x the others'); where
-    such a record still holds every sample (2 or 3: lo, median, hi) that one is left out."""
+    and the gradients' readiness too, whose hooks slowed it (its backward, ``backward_s``, up to 1.6x the others');
+    where such a record still holds every sample (2 or 3: lo, median, hi) that one is left out."""
     t = m.phases["bwd"].time_s
     if m.schema_version >= 3 or t.n not in (2, 3):
         return t.median
@@ -137,6 +137,7 @@ class ModelInputs(BaseModel):
     bwd_beside_lane_s: Optional[float] = None  # ... with dostune's CPU-lane kernel working beside it
     lane_threads: Optional[int] = None  # that kernel's threads
     lane_beside_s_per_elem: Optional[float] = None  # its update during that backward, seconds per element
+    lane_alone_s_per_elem: Optional[float] = None  # ... and with nothing else running
     step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
     ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
     ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
@@ -159,6 +160,7 @@ class ModelInputs(BaseModel):
                    bwd_beside_lane_s=lane.backward_s.median if lane is not None else None,
                    lane_threads=lane.threads if lane is not None else None,
                    lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,
+                   lane_alone_s_per_elem=lane.lane_alone_s.median / lane.elements if lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
                    ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 

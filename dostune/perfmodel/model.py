@@ -177,11 +177,13 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
         cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
         up_bytes = 2
-    # the lane's work is counted in seconds at the step's thread count; during backward it runs with one thread fewer
-    # (ScheduleConfig.backward_cpu_threads) and lane_backward_slowdown times slower than the node's rates
+    # overlap_backward's lane (dostune's own kernel) works lane_step_slowdown times the node's CPU-lane seconds at the
+    # step's thread count; during backward it runs with one thread fewer (ScheduleConfig.backward_cpu_threads) and
+    # lane_backward_slowdown times the node's seconds at that count
+    step_factor = shape.lane_step_slowdown if overlap else 1.0
     bthreads = sched.backward_cpu_threads or max(1, (sched.cpu_threads or inp.default_threads) - 1)
     per = 10**8  # the thread counts' ratio per element at a subgroup's size
-    in_bwd = shape.lane_backward_slowdown * inp.cpu_lane_seconds(per, bthreads, "cpu_convert") \
+    in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_seconds(per, bthreads, "cpu_convert") \
         / inp.cpu_lane_seconds(per, threads, "cpu_convert")
     bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
     slowdowns = _compose(bwd_segment, _dma_segments(spans, inp))
@@ -195,8 +197,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             s = sizes[j]
             if overlap:
                 t = max(t, bwd * (ready_fraction[j] - 1.0))
-            end = _advance(t, inp.cpu_lane_seconds(s, threads, "cpu_convert" if overlap else sched.upload),
-                           slowdowns)
+            work = step_factor * inp.cpu_lane_seconds(s, threads, "cpu_convert" if overlap else sched.upload)
+            end = _advance(t, work, slowdowns)
             cpu_spans.append(SimSpan("cpu", j, t, end))
             t = end
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction

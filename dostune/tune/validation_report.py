@@ -53,7 +53,8 @@ def _pct(x: Optional[float]) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})", "",
-             "| model | parameters | method | rows | iteration | step | backward | within |", "|---|---|---|---|---|---|---|---|"]
+             "| model | parameters | method | rows | iteration | step | backward | within |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
                      f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} |")
