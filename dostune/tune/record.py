@@ -3,17 +3,15 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ..records import Record
 
 TUNE_SCHEMA_VERSION = 2  # 2: world, host_budget_gib
 TUNE_KIND = "dostune.tune-result"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PredictedTimes(_Record):
+class PredictedTimes(Record):
     fwd_s: Optional[float]
     bwd_s: Optional[float]
     step_s: float
@@ -30,7 +28,7 @@ class PredictedTimes(_Record):
     pinned_host_gib: float
 
 
-class TrialRecord(_Record):
+class TrialRecord(Record):
     number: Optional[int] = None  # Optuna trial number (None for non-search entries)
     sub_group_size: int
     subgroups: int
@@ -39,7 +37,7 @@ class TrialRecord(_Record):
     feasible: bool = True
 
 
-class Validation(_Record):
+class Validation(Record):
     """A schedule run for real next to its prediction."""
 
     label: str
@@ -58,7 +56,7 @@ class Validation(_Record):
         return abs(self.predicted_iter_s - self.measured_iter_s) / self.measured_iter_s
 
 
-class TuneResult(_Record):
+class TuneResult(Record):
     schema_version: int = TUNE_SCHEMA_VERSION
     kind: Literal["dostune.tune-result"] = TUNE_KIND
     created: str

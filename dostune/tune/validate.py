@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..bench.run import BenchOptions, _method_offload, run_method
+from ..bench.run import BenchOptions, method_offload, run_method
 from ..dsconfig import OffloadSettings
 from ..errors import NotAvailable
 from ..models.registry import resolve_model
@@ -27,7 +27,7 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
     opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision,
                          activation_checkpointing=activation_checkpointing)
     out = []
-    base = run_method("zero-offload", spec, opts, _method_offload("zero-offload", opts, None), progress)
+    base = run_method("zero-offload", spec, opts, method_offload("zero-offload", opts, None), progress)
     if base.ran and result.ds_offload is not None:
         out.append(Validation(label="zero-offload (DeepSpeed, ratio 1.0)", sub_group_size=opts.sub_group_size,
                               schedule=None, predicted_iter_s=result.ds_offload.iter_s,
