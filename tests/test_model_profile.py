@@ -4,7 +4,7 @@ from typer.testing import CliRunner
 from dostune.cli.app import app
 from dostune.profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
 from dostune.profile.model_record import load_model_profile
-from dostune.profile.record import save_record
+from dostune.records import save_record
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_bad_inputs(tmp_path):
 
 def test_cpu_only_profile_is_refused(tmp_path):
     from dostune.profile.node import NodeProfileOptions, measure_node
-    from dostune.profile.record import save_record
+    from dostune.records import save_record
 
     p = save_record(measure_node(NodeProfileOptions.tiny(), command="t"), tmp_path / "cpu.json")
     with pytest.raises(ProfileError, match="no GPU measurements"):

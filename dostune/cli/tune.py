@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..bench.report import plot_timeline
-from ..profile.record import atomic_write_text, save_record
+from ..records import atomic_write_text, save_record
 from ..tune.record import TuneResult
 from ..errors import DostuneError, NotAvailable
 from ..optim.schedule import gpu_count

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from ..errors import ProfileError
 from ..stats import Stat
-from .record import Series, _format_validation_error, check_version, read_json_record
+from ..records import Record, load_record
+from .record import Series
 
 # 2: world and ranks (a profile measured under DeepSpeed's launcher). Version 1 profiles still load (one rank).
 # 3: offload_pin_memory, backward_no_copy_s, backward_lane, step_parts_s, ds_cpu_adam, ds_unscale (the performance
@@ -25,11 +25,7 @@ MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class MemorySample(_Record):
+class MemorySample(Record):
     """GPU (or, on a CPU machine, process) memory at one point of an iteration."""
 
     t: float  # seconds from the start of the iteration
@@ -39,7 +35,7 @@ class MemorySample(_Record):
     where: str  # module or event the sample was taken at
 
 
-class PhaseProfile(_Record):
+class PhaseProfile(Record):
     time_s: Stat
     peak_allocated_gib: float
     min_allocated_gib: float
@@ -47,14 +43,14 @@ class PhaseProfile(_Record):
     free_gib: Optional[float]  # device memory minus the phase's peak allocation (None on CPU)
 
 
-class SubgroupProfile(_Record):
+class SubgroupProfile(Record):
     index: int
     numel: int
     params: int
     grad_ready_s: Optional[float]  # when, from the start of backward, its last gradient was partitioned
 
 
-class PcieTraffic(_Record):
+class PcieTraffic(Record):
     """Mean PCIe throughput per phase from NVML's counters (GB/s; tx = device to host)."""
 
     tx_gbps: float
@@ -62,7 +58,7 @@ class PcieTraffic(_Record):
     samples: int
 
 
-class BackwardLaneProfile(_Record):
+class BackwardLaneProfile(Record):
     """Backward (with DeepSpeed's gradient copies to the host dropped, as in ``backward_no_copy_s``) while dostune's
     CPU-lane kernel updates a scratch subgroup in a worker thread, round after round, as ``overlap_backward`` runs it
     (out-of-place CPU Adam, half-precision gradients in and parameters out, the GIL released while it computes):
@@ -75,14 +71,14 @@ class BackwardLaneProfile(_Record):
     backward_s: Stat  # backward while the lane worked throughout
 
 
-class WorldRecord(_Record):
+class WorldRecord(Record):
     """The world a model profile was measured in: one rank per GPU."""
 
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1)
 
 
-class RankProfile(_Record):
+class RankProfile(Record):
     """One rank's phases, in a profile measured under the launcher."""
 
     rank: int
@@ -90,7 +86,7 @@ class RankProfile(_Record):
     step_overhead_s: Optional[float] = None
 
 
-class ModelProfile(_Record):
+class ModelProfile(Record):
     schema_version: int
     kind: Literal["dostune.model-profile"] = MODEL_KIND
     created: str
@@ -171,9 +167,4 @@ def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhasePr
 
 
 def load_model_profile(path) -> ModelProfile:
-    data = read_json_record(path, "model profile")
-    check_version(data, path, MODEL_KIND, MODEL_SCHEMA_VERSION, MODEL_READABLE_VERSIONS)
-    try:
-        return ModelProfile.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(_format_validation_error(str(path), e)) from None
+    return load_record(path, ModelProfile, "model profile", MODEL_KIND, MODEL_SCHEMA_VERSION, MODEL_READABLE_VERSIONS)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
 # figure (every new field optional: older files still parse)
@@ -11,11 +13,7 @@ TUNE_SCHEMA_VERSION = 3
 TUNE_KIND = "dostune.tune-result"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PredictedTimes(_Record):
+class PredictedTimes(Record):
     fwd_s: Optional[float]
     bwd_s: Optional[float]
     step_s: float
@@ -39,7 +37,7 @@ class PredictedTimes(_Record):
     measured_step: Optional[bool] = None  # ZeRO-Offload only: its step is the model profile's measurement
 
 
-class TrialRecord(_Record):
+class TrialRecord(Record):
     number: Optional[int] = None  # Optuna trial number (None for non-search entries)
     sub_group_size: int
     subgroups: int
@@ -66,7 +64,7 @@ def median(values) -> Optional[float]:
 PHASES = ("fwd", "bwd", "step", "iter")
 
 
-class Validation(_Record):
+class Validation(Record):
     """A schedule (or ZeRO-Offload) run for real next to its prediction, phase by phase."""
 
     label: str
@@ -102,7 +100,7 @@ class Validation(_Record):
         return self.error("step")
 
 
-class TuneResult(_Record):
+class TuneResult(Record):
     schema_version: int = TUNE_SCHEMA_VERSION
     kind: Literal["dostune.tune-result"] = TUNE_KIND
     created: str

@@ -24,7 +24,8 @@ from ..perfmodel.world import WORLD_KEY, World, rank_inputs
 from ..profile.identity import cuda_available
 from ..profile.model_record import ModelProfile, load_model_profile
 from ..profile.paths import shipped_profile
-from ..profile.record import NodeProfile, check_writable, load_node_profile
+from ..profile.record import NodeProfile, load_node_profile
+from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
 from .space import GPU_SHARE, Candidate, Space

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from ..bench.record import MethodResult
-from ..bench.run import BenchOptions, _method_offload, run_method
+from ..bench.run import BenchOptions, method_offload, run_method
 from ..dsconfig import OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
@@ -57,7 +57,7 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
                          activation_checkpointing=activation_checkpointing)
     out = []
     try:
-        zo, note = fit_host_memory("zero-offload", _method_offload("zero-offload", opts, None), param_numels(spec),
+        zo, note = fit_host_memory("zero-offload", method_offload("zero-offload", opts, None), param_numels(spec),
                                    result.precision, host_available)
     except DostuneError:  # its state cannot fit this host at all: nothing to compare with
         zo = None

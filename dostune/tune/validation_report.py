@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DostuneError
-from ..profile.record import atomic_write_text, read_json_record
+from ..records import atomic_write_text, read_json_record
 from .record import TuneResult
 
 # per model, the median error over its validated rows of each method
