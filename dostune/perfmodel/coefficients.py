@@ -58,16 +58,17 @@ class Coefficients:
     def of(cls, node: NodeInputs, m: ModelInputs, ds_sizes: Sequence[int]) -> "Coefficients":
         """From one rank's node inputs and the model profile's; ``ds_sizes``: ZeRO-Offload's subgroups at the
         profiled sub_group_size."""
-        notes = list(node.notes)
-        node = in_situ(node, m, notes)
+        notes, missing = list(node.notes), []
+        node = in_situ(node, m, notes, missing)
         overhead = ds_step_overhead(m, ds_sizes, node)
-        return cls(node=node, overhead_s=overhead, shape=step_shape(node, m, notes),
-                   backward=backward_inputs(node, m, sum(ds_sizes), notes), notes=tuple(notes))
-
-
-def _older(m: ModelInputs, what: str) -> str:
-    return (f"the model profile of {m.model} (schema {m.profile_schema}) did not measure {what}; re-profile the model "
-            "with this dostune to measure it")
+        shape = step_shape(node, m, missing)
+        backward = backward_inputs(node, m, sum(ds_sizes), missing)
+        if missing:
+            notes.append(f"the model profile of {m.model} (schema {m.profile_schema}) did not measure "
+                         + ", ".join(what for what, _ in missing) + "; the model takes "
+                         + "; ".join(instead for _, instead in missing) + " (docs/performance-model.md, Inputs): "
+                         "re-profile the model with this dostune to measure them")
+        return cls(node=node, overhead_s=overhead, shape=shape, backward=backward, notes=tuple(notes))
 
 
 def _ratio(series, reference: Cost) -> float:
@@ -75,12 +76,12 @@ def _ratio(series, reference: Cost) -> float:
     return sum(p.seconds.median for p in series.points) / sum(reference.t(p.size) for p in series.points)
 
 
-def in_situ(node: NodeInputs, m: ModelInputs, notes: list[str]) -> NodeInputs:
+def in_situ(node: NodeInputs, m: ModelInputs, notes: list[str], missing: list[tuple[str, str]]) -> NodeInputs:
     """The node's CPU Adam (every thread count) and unscale scaled to the rates ZeRO-Offload's step ran them at in
     the model profile: its own buffers, on the machine and at the moment the model was profiled."""
     if m.ds_cpu_adam is None:
         if m.profile_schema is not None:
-            notes.append(_older(m, "CPU Adam in its own engine") + "; the node profile's rates are used")
+            missing.append(("CPU Adam in its own engine", "CPU Adam at the node profile's rates"))
         return node
     threads = m.ds_cpu_adam.points[0].threads or node.default_threads
     k = _ratio(m.ds_cpu_adam, node.cpu_adam[node.threads_near(threads)])
@@ -105,11 +106,11 @@ def ds_step_overhead(m: ModelInputs, ds_sizes: Sequence[int], inp: NodeInputs) -
     return max(0.0, m.ds_step_s - ds_offload_step_lanes(ds_sizes, inp))
 
 
-def step_shape(node: NodeInputs, m: ModelInputs, notes: list[str]) -> StepShape:
+def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]]) -> StepShape:
     shares = m.step_shares
     if shares is None and m.profile_schema is not None:
-        notes.append(_older(m, "DeepSpeed's step by part") + f"; the lanes start {FALLBACK_PROLOGUE_SHARE:.0%} and "
-                     f"{FALLBACK_RELEASE_SHARE:.0%} into the step overhead as in gpt2-1.3b's H100 trace")
+        missing.append(("DeepSpeed's step by part", f"the lanes' start {FALLBACK_PROLOGUE_SHARE:.0%} and "
+                        f"{FALLBACK_RELEASE_SHARE:.0%} into the step overhead (gpt2-1.3b's H100 trace)"))
     prologue, release = shares if shares is not None else (FALLBACK_PROLOGUE_SHARE, FALLBACK_RELEASE_SHARE)
     lane, alone = FALLBACK_LANE_BACKWARD_SLOWDOWN, 1.0
     if m.lane_beside_s_per_elem is not None and m.lane_threads is not None:
@@ -118,13 +119,14 @@ def step_shape(node: NodeInputs, m: ModelInputs, notes: list[str]) -> StepShape:
         lane = m.lane_beside_s_per_elem / composed
         alone = m.lane_alone_s_per_elem / composed if m.lane_alone_s_per_elem else 1.0
     elif m.profile_schema is not None:
-        notes.append(_older(m, "the CPU lane beside backward") + f"; it is taken to run "
-                     f"{FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the node profile's CPU-lane time there")
+        missing.append(("the CPU lane beside backward", f"the CPU lane at {FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the "
+                        "node profile's CPU-lane time"))
     return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane,
                      lane_step_slowdown=alone)
 
 
-def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int, notes: list[str]) -> Optional[BackwardInputs]:
+def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int,
+                    missing: list[tuple[str, str]]) -> Optional[BackwardInputs]:
     """Backward's compute and what adds to it (backward.py), from the model profile; ``elements``: one rank's
     parameters."""
     if m.bwd_s is None:
@@ -144,15 +146,15 @@ def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int, notes: list
         traffic = m.bwd_traffic_bytes or accounted
         compute = max(m.fwd_s or 0.0, m.bwd_s - copy_seconds(node, *traffic, pinned=m.offload_pinned))
         visible = 1.0
-        notes.append(_older(m, "backward without its gradient copies") + f"; its compute is taken as ZeRO-Offload's "
-                     f"backward less the copies at the node's {'pinned' if m.offload_pinned else 'pageable'} rates: "
-                     f"{compute:.3f} of {m.bwd_s:.3f} s")
+        missing.append(("backward without its gradient copies", f"backward's compute as ZeRO-Offload's backward less "
+                        f"its copies at the node's {'pinned' if m.offload_pinned else 'pageable'} rates ({compute:.3f} "
+                        f"of {m.bwd_s:.3f} s)"))
     slowdown = FALLBACK_BACKWARD_SLOWDOWN
     if m.bwd_beside_lane_s is not None and m.bwd_no_copy_s:
         slowdown = max(1.0, m.bwd_beside_lane_s / m.bwd_no_copy_s)
     elif m.profile_schema is not None:
-        notes.append(_older(m, "backward beside the CPU lane") + f"; backward is taken to run "
-                     f"{FALLBACK_BACKWARD_SLOWDOWN:.2f}x slower while the CPU lane works (gpt2-1.3b on the H100)")
+        missing.append(("backward beside the CPU lane", f"backward {FALLBACK_BACKWARD_SLOWDOWN:.2f}x slower while the "
+                        "CPU lane works (gpt2-1.3b on the H100)"))
     return BackwardInputs(compute_s=compute, slowdown=slowdown, visible=visible, grad_bytes=grad_bytes,
                           fp16=m.precision == "fp16", zo_bwd_s=m.bwd_s, zo_pinned=m.offload_pinned,
                           zo_traffic=m.bwd_traffic_bytes or accounted)
