@@ -3,7 +3,9 @@
 A step is simulated as the optimizer runs it: the GPU lane's transfers queue on the H2D and D2H copy
 engines in order (the H2D engine serves copies in submission order, so CPU-lane uploads wait behind the
 GPU lane's inputs, as traced on the H100), the GPU kernel follows each input, the CPU lane runs subgroup
-after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload follows its update.
+after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload follows its update. ``predict`` puts
+the step beside dostune's own backward (backward.py), with the CPU lane of ``overlap_backward`` under it. Every
+coefficient comes from the profiles (coefficients.py).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fracti
 from .backward import BackwardPrediction, dostune_backward
 from .coefficients import Coefficients, StepShape
 from .inputs import ModelInputs, NodeInputs
-from .memory import GiB, MemoryPrediction, predict_memory
+from .memory import MemoryPrediction, predict_memory
 
 # How often backward and the CPU lane under it are worked out against each other (backward.py): the lane's time in
 # backward lengthens backward, which gives the lane more of it; the backward lengths settle within 1e-4 s in 3-4.
