@@ -24,8 +24,9 @@ class Record(BaseModel):
 
 
 class Span(Record):
-    """One piece of lane work of an optimizer step, in seconds from the step's start: traced by the optimizer,
-    stored by bench, simulated by the performance model."""
+    """One piece of lane work of an optimizer step, in seconds from the step's start: traced by the optimizer and
+    stored by bench. (The performance model's simulator keeps its own lighter dataclass, which adds each copy's
+    PCIe traffic: it builds thousands of them per tuning candidate.)"""
 
     lane: str  # cpu, h2d, gpu, d2h, up
     subgroup: int
