@@ -113,8 +113,9 @@ def tune(
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///OUTPUT_DIR/study.db."),
     study_name: Optional[str] = typer.Option(None, help="Study name (default: NODE-MODEL-bB). Re-running with the "
                                              "same name resumes the study."),
-    validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
-                                 "report measured against predicted."),
+    validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real, "
+                                 "gradient clipping off as the model predicts, and report measured against predicted "
+                                 "per phase (tune.json's validation, validation.png)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
                                            "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
                                            "slots=N of each hostfile line). One rank per GPU; the model predicts one "
