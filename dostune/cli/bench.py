@@ -19,6 +19,7 @@ from ..optim.schedule import ScheduleConfig
 from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
 from ..records import atomic_write_text, check_writable, read_json_record, save_record
+from ..tune.refit import TunedConfig
 from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
@@ -32,12 +33,10 @@ def render_bench(res: BenchResult) -> Table:
 
 
 def _read_config(config: Path) -> tuple[ScheduleConfig, Optional[int], Optional[World]]:
-    data = read_json_record(config, "DeepSpeed config")
-    sched = ScheduleConfig.from_ds_config(data)
-    if sched is None:
+    tuned = TunedConfig.read(read_json_record(config, "DeepSpeed config"), str(config))
+    if tuned.schedule is None:
         raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
-    sgs = data.get("zero_optimization", {}).get("sub_group_size")
-    return sched, int(sgs) if sgs else None, World.from_config(data, str(config))
+    return tuned.schedule, tuned.sub_group_size if tuned.sub_group_size_given else None, tuned.world
 
 
 def config_label(path: Path) -> str:

@@ -28,9 +28,24 @@ from ..perfmodel.world import World, check_local_gpus, check_world
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
 
 
-def config_sub_group_size(ds_config: dict) -> int:
-    zero = ds_config.get("zero_optimization") or {}
-    return int(zero.get("sub_group_size") or DEEPSPEED_SUB_GROUP_SIZE)
+@dataclass(frozen=True)
+class TunedConfig:
+    """What a DeepSpeed config carries for dostune, read in one place (``read``): the schedule of its ``dostune``
+    section (None without one), the sub_group_size DeepSpeed cuts the subgroups at, whether the config sets it (else
+    DeepSpeed's default), and the world it was tuned for (None where it does not say)."""
+
+    schedule: Optional[ScheduleConfig]
+    sub_group_size: int
+    sub_group_size_given: bool
+    world: Optional[World]
+
+    @classmethod
+    def read(cls, ds_config: dict, source: str = "the DeepSpeed config") -> "TunedConfig":
+        zero = ds_config.get("zero_optimization") or {}
+        given = zero.get("sub_group_size")
+        return cls(schedule=ScheduleConfig.from_ds_config(ds_config),
+                   sub_group_size=int(given or DEEPSPEED_SUB_GROUP_SIZE), sub_group_size_given=bool(given),
+                   world=World.from_config(ds_config, source))
 
 
 def model_subgroups(spec: ModelSpec, sub_group_size: int, world_size: int = 1,
@@ -44,14 +59,15 @@ def check_fits(ds_config: dict, spec: ModelSpec, source: str, world: "World | in
     config's ``dostune_world``; ``world``: the run's, None = the launcher's environment) or launched with more ranks
     per node than the node has GPUs (checked first), tuned for another subgroup count, or with more resident subgroups than the GPU
     lane has. Returns the subgroup count (None without a dostune section)."""
-    sched = ScheduleConfig.from_ds_config(ds_config)
+    tuned = TunedConfig.read(ds_config, source)
+    sched = tuned.schedule
     if sched is None:
         return None
     run = World.of_run() if world is None else World(1, world) if isinstance(world, int) else world
     check_local_gpus(run)  # no GPU for this rank says more than "another world" would
     check_world(ds_config, source, spec.name, run)
     world_size = run.size
-    sgs = config_sub_group_size(ds_config)
+    sgs = tuned.sub_group_size
     n = model_subgroups(spec, sgs, world_size)
     hint = f"carry the schedule over with: dostune refit --config {source} --model {spec.name} --output NEW.json"
     if sched.expected_subgroups is not None and sched.expected_subgroups != n:
@@ -124,12 +140,12 @@ def refit(ds_config: dict, spec: ModelSpec, source: str, sub_group_size: Optiona
     new model about as many subgroups as the schedule was tuned for (the count the shape was chosen at). The world
     stays the one the config was tuned for (its ``dostune_world``; ``world_size`` ranks on one node for a config
     that does not say), and so do its threads per rank where this machine has them."""
-    tuned_world = World.from_config(ds_config, source)
-    if tuned_world is not None:
-        world_size = tuned_world.size
+    tuned = TunedConfig.read(ds_config, source)
+    if tuned.world is not None:
+        world_size = tuned.world.size
         if cores is None:
-            cores = max(1, (os.cpu_count() or 1) // tuned_world.gpus_per_node)
-    sched = ScheduleConfig.from_ds_config(ds_config)
+            cores = max(1, (os.cpu_count() or 1) // tuned.world.gpus_per_node)
+    sched = tuned.schedule
     if sched is None:
         raise ConfigError(f"{source} has no '{SECTION}' section to refit", hint="run `dostune tune` to emit one")
     if sub_group_size is not None and sub_group_size < 1:
@@ -139,7 +155,7 @@ def refit(ds_config: dict, spec: ModelSpec, source: str, sub_group_size: Optiona
     numels = param_numels(spec)
     notes = []
     if sub_group_size is None:
-        target = sched.expected_subgroups or model_subgroups(spec, config_sub_group_size(ds_config), world_size, numels)
+        target = sched.expected_subgroups or model_subgroups(spec, tuned.sub_group_size, world_size, numels)
         sub_group_size = max(1, math.ceil(sum(numels) / world_size / target))
         notes.append(f"sub_group_size {sub_group_size:,} (the model's {sum(numels):,} parameters in about "
                      f"{target} subgroups, as tuned)")
