@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import sys
 import warnings
@@ -45,6 +46,11 @@ def _child(conn, name: str, opts, offload: OffloadSettings, warning_filters: lis
     # process starts with Python's defaults
     warnings.filters[:] = warning_filters
     warnings._filters_mutated()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # A world of one that the parent made for itself (ensure_distributed) left its rendezvous port in the
+        # environment, and the parent may still hold it: the child makes its own world on a free port.
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
 
     try:
         # stdout belongs to the parent's --json output; DeepSpeed prints to it when it builds an op
