@@ -70,8 +70,11 @@ class GateSettings(_Record):
     clip: float = Field(1e-6, gt=0)  # below any gradient norm: the CPU lane runs in the step (module docstring)
     threads: int = Field(1, ge=1)  # torch's intra-op threads in each worker
     schedule: dict = Field(default_factory=lambda: dict(GATE_SCHEDULE))
+    # Engines per worker, stepped in turn: two identical engines in one process differ by up to 5% in step time
+    # (where their buffers landed in memory); the gate pools their steps
+    engines: int = Field(2, ge=1, le=4)
     pairs: int = Field(40, ge=4)  # timed steps per worker
-    warmup: int = Field(3, ge=1)
+    warmup: int = Field(4, ge=1)  # untimed steps per worker, spread over its engines
     seed: int = 0
     quantile: float = Field(0.2, gt=0, lt=1)
 
@@ -142,20 +145,25 @@ def worker(settings_json: str) -> int:
     train = TrainSettings(micro_batch=s.micro_batch, precision=s.precision, clip=s.clip)
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=s.sub_group_size,
                                                   schedule=ScheduleConfig(**s.schedule)))
-    engine = build_engine(spec, cfg, seed=s.seed)
-    gen = torch.Generator().manual_seed(s.seed + 1)
-    proto.write(json.dumps({"protocol": PROTOCOL, "lanes": list(engine.optimizer.dostune_plan.lanes),
+    engines = [build_engine(spec, cfg, seed=s.seed) for _ in range(s.engines)]
+    gens = [torch.Generator().manual_seed(s.seed + 1) for _ in engines]
+    proto.write(json.dumps({"protocol": PROTOCOL, "lanes": list(engines[0].optimizer.dostune_plan.lanes),
                             "slow_cpu_lane": cpu_lane_slowdown()}) + "\n")
+    k = 0
     for line in sys.stdin:
         if line.strip() == "end":
-            proto.write(json.dumps({"speculative": engine.optimizer.dostune_overlap_stats["speculative"]}) + "\n")
+            spec_updates = sum(e.optimizer.dostune_overlap_stats["speculative"] for e in engines)
+            proto.write(json.dumps({"speculative": spec_updates}) + "\n")
             break
+        engine, gen = engines[k % len(engines)], gens[k % len(engines)]
+        k += 1
         engine.backward(loss_of(engine(**spec.batch(s.micro_batch, s.seq, gen, engine.device))))
         c0, t0 = time.process_time(), time.perf_counter()
         engine.step()
         t1, c1 = time.perf_counter(), time.process_time()
         proto.write(json.dumps({"cpu": c1 - c0, "wall": t1 - t0}) + "\n")
-    engine.destroy()
+    for e in engines:
+        e.destroy()
     return 0
 
 
@@ -324,9 +332,11 @@ def is_gate_record(path) -> bool:
         return False
 
 
-def pin(commit: str = "HEAD", why: str = "", settings: Optional[GateSettings] = None) -> GateBaseline:
-    """A baseline that pins ``commit`` (HEAD: this tree's, which must have no uncommitted change in dostune/)."""
-    repo = package_root()
+def pin(commit: str = "HEAD", why: str = "", settings: Optional[GateSettings] = None,
+        repo: Optional[Path] = None) -> GateBaseline:
+    """A baseline that pins ``commit`` of ``repo`` (default: this dostune's); HEAD must have no uncommitted change
+    in dostune/, or the pinned commit would not be what this tree runs."""
+    repo = repo or package_root()
     sha = _git(repo, "rev-parse", "--verify", f"{commit}^{{commit}}").strip()
     if commit == "HEAD" and _git(repo, "status", "--porcelain", "--", "dostune").strip():
         raise GateError("dostune/ has uncommitted changes: the pinned commit would not hold what this tree runs",
