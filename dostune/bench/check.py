@@ -132,9 +132,11 @@ def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckRep
         raise UnusableInput(f"--max-regression must be a fraction like 0.05 (5%), got {tolerance}")
     s = base.settings
     note = (f"this tree's optimizer step over commit {base.baseline_commit[:12]}'s: CPU time, {s.quantile:.0%} "
-            f"quantile of {s.pairs} steps each, taking turns (wall clock: {run.wall_ratio:.3f})")
+            f"quantile of {s.pairs} steps each, taking turns (wall clock: {run.wall_ratio:.3f}; noise: half the "
+            f"spread of the {len(run.engine_ratios)} engine pairs' ratios, not judged)")
+    spread = (max(run.engine_ratios) - min(run.engine_ratios)) / (2 * run.ratio) if run.engine_ratios else 0.0
     rep = CheckReport(tolerance=tolerance, ratio_only=True)
-    rep.findings.append(Finding(name="gate/step", baseline=1.0, current=run.ratio, ratio=run.ratio, noise=0.0,
+    rep.findings.append(Finding(name="gate/step", baseline=1.0, current=run.ratio, ratio=run.ratio, noise=spread,
                                 repeats=(len(run.baseline_cpu_s), len(run.current_cpu_s)),
                                 regression=run.ratio - 1 > tolerance, note=note))
     return rep

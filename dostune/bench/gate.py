@@ -71,10 +71,10 @@ class GateSettings(_Record):
     threads: int = Field(1, ge=1)  # torch's intra-op threads in each worker
     schedule: dict = Field(default_factory=lambda: dict(GATE_SCHEDULE))
     # Engines per worker, stepped in turn: two identical engines in one process differ by up to 5% in step time
-    # (where their buffers landed in memory); the gate pools their steps
-    engines: int = Field(2, ge=1, le=4)
+    # (where their buffers landed in memory); the gate pools their steps (about 0.55 GiB each)
+    engines: int = Field(4, ge=1, le=8)
     pairs: int = Field(40, ge=4)  # timed steps per worker
-    warmup: int = Field(4, ge=1)  # untimed steps per worker, spread over its engines
+    warmup: int = Field(8, ge=1)  # untimed steps per worker, spread over its engines
     seed: int = 0
     quantile: float = Field(0.2, gt=0, lt=1)
 
@@ -94,6 +94,7 @@ class GateRun(BaseModel):
 
     ratio: float  # the statistic (CPU time)
     wall_ratio: float  # the same on wall-clock time (reported, not judged)
+    engine_ratios: list[float]  # the statistic of each engine pair alone (its spread: what memory placement does)
     current_cpu_s: list[float]  # each timed step, in the order they ran
     baseline_cpu_s: list[float]
     current_wall_s: list[float]
@@ -300,8 +301,13 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
     cur = {m: [x[m] for x in times["current"]] for m in ("cpu", "wall")}
     ref = {m: [x[m] for x in times["baseline"]] for m in ("cpu", "wall")}
     q = s.quantile
+    # timed step j ran on engine (warmup + j) mod engines of its worker
+    by_engine = [[j for j in range(s.pairs) if (s.warmup + j) % s.engines == e] for e in range(s.engines)]
+    engine_ratios = [low_quantile([cur["cpu"][j] for j in js], q) / low_quantile([ref["cpu"][j] for j in js], q)
+                     for js in by_engine if js]
     return GateRun(ratio=low_quantile(cur["cpu"], q) / low_quantile(ref["cpu"], q),
                    wall_ratio=low_quantile(cur["wall"], q) / low_quantile(ref["wall"], q),
+                   engine_ratios=engine_ratios,
                    current_cpu_s=cur["cpu"], baseline_cpu_s=ref["cpu"], current_wall_s=cur["wall"],
                    baseline_wall_s=ref["wall"], lanes=ready["current"]["lanes"],
                    speculative=end["current"]["speculative"], slow_cpu_lane=ready["current"]["slow_cpu_lane"],
