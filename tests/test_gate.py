@@ -59,7 +59,10 @@ def test_cli_runs_the_gate_for_a_gate_baseline(tmp_path, monkeypatch):
                                  "--json"])
     assert r.exit_code == 1, r.output
     assert "REGRESSION" in r.output and "wall clock: 1.300" in r.output
-    assert json.loads(r.stdout)["findings"][0]["current"] == 1.2
+    out = json.loads(r.stdout)
+    assert out["findings"][0]["current"] == 1.2
+    assert out["gate"]["baseline_commit"] == "a" * 40 and out["gate"]["wall_ratio"] == 1.3
+    assert "current_cpu_s" not in out["gate"]  # the summary, not every sample
     assert ET.parse(junit).getroot().get("failures") == "1"
     monkeypatch.setattr(gate, "run_gate", lambda base, progress=None: _run(1.02))
     assert CliRunner().invoke(app, ["check", "--baseline", str(base), "--max-regression", "8%"]).exit_code == 0

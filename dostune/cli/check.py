@@ -39,8 +39,8 @@ def _load(path: Path, what: str, gate: bool = False):
 
 
 def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: bool):
-    """The CPU gate: run it now (this tree against the pinned commit) and judge the ratio; with ``update``, pin
-    this tree's commit instead."""
+    """The CPU gate: run it now (this tree against the pinned commit) and judge the ratio: (report, what --json
+    adds); with ``update``, pin this tree's commit instead (None)."""
     from ..bench.gate import LineProgress, pin, run_gate
 
     if current is not None:
@@ -52,7 +52,9 @@ def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: boo
         return None
     need_deepspeed("dostune check (the CPU gate)")
     run = run_gate(base, LineProgress())
-    return compare_gate(base, run, tol)
+    summary = run.model_dump(include={"ratio", "wall_ratio", "engine_ratios", "lanes", "speculative", "slow_cpu_lane",
+                                      "seconds"})
+    return compare_gate(base, run, tol), {"gate": {"baseline_commit": base.baseline_commit, **summary}}
 
 
 def _fresh_run(base, ratio_only: bool):
@@ -115,10 +117,12 @@ def check(
 
     gate = is_gate_record(baseline)
     base = _load(baseline, "baseline", gate)
+    extra: dict = {}
     if gate:
-        rep = _gate(baseline, base, current, tol, update_baseline)
-        if rep is None:
+        out = _gate(baseline, base, current, tol, update_baseline)
+        if out is None:
             return
+        rep, extra = out
     elif current is None:
         need_deepspeed("dostune check (a fresh bench)")
         cur = _fresh_run(base, ratio_only)
@@ -126,7 +130,7 @@ def check(
     else:
         cur = _load(current, "current")
         rep = compare(base, cur, tol, ratio_only)
-    _report(rep, tol, ratio_only and not gate, junit, json_out)
+    _report(rep, tol, ratio_only and not gate, junit, json_out, extra)
     if update_baseline:
         if current is not None:
             atomic_write_text(baseline, current.read_text())
@@ -143,7 +147,8 @@ def check(
     err_console.print("[green]no regression[/]")
 
 
-def _report(rep: CheckReport, tol: float, ratio_only: bool, junit: Optional[Path], json_out: bool) -> None:
+def _report(rep: CheckReport, tol: float, ratio_only: bool, junit: Optional[Path], json_out: bool,
+            extra: dict) -> None:
     table = Table(title=f"dostune check: tolerance {tol:.0%}" + (", speedups only" if ratio_only else ""))
     for col in ("what", "baseline", "current", "change", "noise", "repeats", "verdict"):
         table.add_column(col, justify="left" if col in ("what", "verdict") else "right")
@@ -158,4 +163,4 @@ def _report(rep: CheckReport, tol: float, ratio_only: bool, junit: Optional[Path
         atomic_write_text(junit, junit_xml(rep))
     if json_out:
         print_json({"tolerance": tol, "ratio_only": ratio_only, "regressions": len(rep.regressions),
-                    "findings": [f.__dict__ for f in rep.findings]})
+                    "findings": [f.__dict__ for f in rep.findings], **extra})
