@@ -147,3 +147,7 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     assert run.speculative == 0 and run.slow_cpu_lane == 0.5
     assert len(run.current_cpu_s) == len(run.baseline_wall_s) == 4 and len(run.engine_ratios) == 2
     assert math.isfinite(run.ratio) and run.ratio > 0
+    # a worker that stops says why in one line (here: both refuse an unknown model)
+    bad = settings.model_copy(update={"model": "no-such-model"})
+    with pytest.raises(gate.GateError, match=r"worker stopped \(exit 1\).*unknown model 'no-such-model'"):
+        gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=bad))

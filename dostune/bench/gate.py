@@ -238,7 +238,13 @@ class _Worker:
                                       settings.model_dump_json()], cwd=root, env=_worker_env(root, slow), text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, bufsize=1)
 
-    def read(self) -> dict:
+    def read(self, timeout_s: float = 300.0) -> dict:
+        import select
+
+        # one line answers each request and nothing follows it, so the pipe holds no more than select sees
+        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            self.close()
+            raise GateError(f"the gate's {self.name} worker did not answer within {timeout_s:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
@@ -278,7 +284,7 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
         workers = {"current": _Worker("current", package_root(), s, True, Path(tmp)),
                    "baseline": _Worker("baseline", pinned, s, False, Path(tmp))}
         try:
-            ready = {k: w.read() for k, w in workers.items()}
+            ready = {k: w.read(timeout_s=900.0) for k, w in workers.items()}  # a first CPU Adam build: minutes
             for k, r in ready.items():
                 if r.get("protocol") != PROTOCOL:
                     raise GateError(f"the {k} worker speaks gate protocol {r.get('protocol')}, this one {PROTOCOL}",
