@@ -113,6 +113,8 @@ def run(deepspeed: str | Path, output_dir: str | Path, model_config=None, steps:
     if plain_deepspeed:  # the same config without the dostune section: DeepSpeed's own ZeRO-3 CPU offload
         config = json.loads(Path(deepspeed).read_text())
         config.pop("dostune", None)
+        # dostune's configs leave pin_memory off (it pins in place); DeepSpeed's own offload is faster pinned
+        config["zero_optimization"]["offload_optimizer"]["pin_memory"] = torch.cuda.is_available()
         deepspeed = Path(output_dir) / "ds_config_plain.json"
         deepspeed.parent.mkdir(parents=True, exist_ok=True)
         deepspeed.write_text(json.dumps(config, indent=2))

@@ -11,8 +11,16 @@
 #                       schedule; ARGS are extra bench flags with + for spaces -> $OUT/bench-MODEL.{json,md,png}
 #   check:MODEL         dostune check by speedup over ZeRO-Offload against $BASELINE
 #                       (default results/h100/bench-MODEL.json) -> $OUT/check-MODEL.xml
+#   train:MODEL         dostune train, 20 steps, with $OUT/tune-MODEL/ds_config.json as it is -> $OUT/train-MODEL.log
+#   refusals:MODEL      the launches that must stop before any engine, one line and exit 2 each: the tuned config in
+#                       another world (GPUS+1 ranks if the node has them, else 1 rank when GPUS > 1), more ranks than
+#                       GPUs, a hostfile naming a node that does not exist -> $OUT/refusals-MODEL.txt
 # Example, the whole flow for gpt2-1.3b, every method measured twice in reverse order (drift-cancelling):
 #   bash scripts/gpu-bench.sh env profile model:gpt2-1.3b tune:gpt2-1.3b bench:gpt2-1.3b:--rounds+2
+# Several GPUs of one node (docs/multi-gpu.md): GPUS=N runs model:, bench: and train: under DeepSpeed's launcher
+# (`deepspeed --num_gpus N`) and tunes with --num-gpus N; `profile` measures every GPU it sees together. E.g.
+#   GPUS=2 bash scripts/gpu-bench.sh env profile model:gpt2-1.3b tune:gpt2-1.3b \
+#     bench:gpt2-1.3b:--methods+zero-offload,twin-flow-mem,dostune train:gpt2-1.3b refusals:gpt2-1.3b
 # NODE (default: the short host name) names the node in the profiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +30,21 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 NODE=${NODE:-$(hostname -s)}
+GPUS=${GPUS:-1}
+PORT=${PORT:-29531}
 rc=0
+launch() {  # MODULE ARGS...: one process, or N ranks under DeepSpeed's launcher
+  local module=$1; shift
+  if [ "$GPUS" -gt 1 ]; then deepspeed --num_gpus "$GPUS" --master_port "$PORT" --module "dostune.$module" "$@"
+  else dostune "$module" "$@"; fi
+}
+expect_refusal() {  # LABEL COMMAND...: must exit 2 with an "error:" line
+  local label=$1; shift
+  local log; log=$("$@" 2>&1); local code=$?
+  { echo "--- $label (exit $code): $*"; echo "$log" | grep -E "^(error|hint):" | sort -u; } >> "$REFUSALS"
+  if [ $code -eq 2 ] && echo "$log" | grep -q "^error:"; then echo "refused as expected: $label"
+  else echo "NOT refused as expected: $label (exit $code)"; rc=1; fi
+}
 split() {  # SPEC -> model, args (the part after the first ':', + for spaces)
   model=${1%%:*}; args=""
   [ "$1" != "$model" ] && args=$(echo "${1#*:}" | tr '+' ' ')
@@ -42,23 +64,48 @@ for step in "$@"; do
       dostune profile --name "$NODE" --output "$OUT/node.json" --force || rc=1 ;;
     model:*)
       split "${step#model:}"
-      dostune profile --model "$model" --micro-batch 8 --seq 1024 --name "$NODE" \
+      launch profile --model "$model" --micro-batch 8 --seq 1024 --name "$NODE" \
         --output "$OUT/model-$model.json" --plot "$OUT/model-$model.png" --force $args || rc=1 ;;
     tune:*)
       split "${step#tune:}"
       dostune tune --model "$model" --profile "$OUT/node.json" --model-profile "$OUT/model-$model.json" \
-        --output-dir "$OUT/tune-$model" --storage "sqlite:///$OUT/study-$model.db" $args || rc=1 ;;
+        --num-gpus "$GPUS" --output-dir "$OUT/tune-$model" --storage "sqlite:///$OUT/study-$model.db" $args || rc=1 ;;
     bench:*)
       split "${step#bench:}"
       config=()
       [ -f "$OUT/tune-$model/ds_config.json" ] && config=(--config "$OUT/tune-$model/ds_config.json")
-      dostune bench --model "$model" "${config[@]}" --output "$OUT/bench-$model.json" $args || rc=1 ;;
+      launch bench --model "$model" "${config[@]}" --output "$OUT/bench-$model.json" $args || rc=1 ;;
+    train:*)
+      split "${step#train:}"
+      launch train --config "$OUT/tune-$model/ds_config.json" --model "$model" --steps 20 \
+        --metrics "$OUT/train-$model.jsonl" $args 2>&1 | tee "$OUT/train-$model.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+    refusals:*)
+      model=${step#refusals:}
+      cfg="$OUT/tune-$model/ds_config.json"
+      REFUSALS="$OUT/refusals-$model.txt"; : > "$REFUSALS"
+      have=$(nvidia-smi -L | wc -l)
+      if [ "$GPUS" -gt 1 ]; then
+        expect_refusal "a config tuned for $GPUS GPUs on 1" dostune train --config "$cfg" --model "$model" --steps 1
+      fi
+      if [ "$have" -gt "$GPUS" ]; then
+        expect_refusal "a config tuned for $GPUS GPUs on $((GPUS + 1))" deepspeed --num_gpus $((GPUS + 1)) \
+          --master_port "$PORT" --module dostune.train --config "$cfg" --model "$model" --steps 1
+      fi
+      expect_refusal "more ranks than the node's $have GPUs" deepspeed --num_gpus $((have + 1)) --master_port "$PORT" \
+        --module dostune.train --config "$cfg" --model "$model" --steps 1
+      printf "localhost slots=%s\nno-such-node.invalid slots=%s\n" "$GPUS" "$GPUS" > "$OUT/hostfile-missing-node"
+      expect_refusal "a hostfile naming a missing node" dostune tune --model "$model" --profile "$OUT/node.json" \
+        --hostfile "$OUT/hostfile-missing-node" --output-dir "$OUT/tune-refused"
+      [ ! -e "$OUT/tune-refused" ] || { echo "tune-refused was written"; rc=1; }
+      cat "$REFUSALS" ;;
     check:*)
       model=${step#check:}
       dostune check --baseline "${BASELINE:-results/h100/bench-$model.json}" --ratio-only --max-regression 15% \
         --junit "$OUT/check-$model.xml"
       code=$?; echo "check exit code: $code"; [ $code -eq 0 ] || rc=1 ;;
-    *) echo "unknown step $step (env, tests, profile, model:M, tune:M, bench:M[:ARGS], check:M)" >&2; rc=2 ;;
+    *) echo "unknown step $step (env, tests, profile, model:M, tune:M, bench:M[:ARGS], check:M, train:M, refusals:M)" >&2
+       rc=2 ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -73,6 +73,10 @@ def paths(tmp_path):
     p["cfg_resident"] = _config(tmp_path / "resident.json", ScheduleConfig(gpu_fraction=0.5, resident_subgroups=5))
     p["cfg_plain"] = _config(tmp_path / "plain.json")
     p["cfg_stage2"] = _config(tmp_path / "stage2.json", ScheduleConfig(), stage=2)
+    from dostune.dsconfig import hf_config
+    hf = hf_config(json.loads((tmp_path / "plain.json").read_text()), "trainer")  # "auto" for the Trainer to fill
+    (tmp_path / "for-trainer.json").write_text(json.dumps(hf))
+    p["cfg_hf"] = str(tmp_path / "for-trainer.json")
     p["out"] = str(tmp_path / "out")  # where an output would go: must not exist after any case
     ro = _unwritable_dir(tmp_path)
     if ro is not None:
@@ -119,6 +123,7 @@ CASES = [
     ("train --config {bin} --model gpt2-tiny --metrics {out}", "binary"),
     ("train --config {node} --model gpt2-tiny --metrics {out}", "stage 3"),
     ("train --config {cfg_stage2} --model gpt2-tiny --metrics {out}", "stage 3"),
+    ("train --config {cfg_hf} --model gpt2-tiny --metrics {out}", "as \"auto\" for the Hugging Face Trainer"),
     ("train --config {cfg26} --model gpt2-tiny --seq 16 --metrics {out}", "tuned for 26 subgroups but gpt2-tiny has"),
     ("train --config {cfg_resident} --model gpt2-tiny --seq 16 --metrics {out}", "resident_subgroups is 5"),
     ("train --config {cfg_plain} --model gpt2-tiny --seq 16 --save-dir {ro}/ckpt", "cannot be written"),

@@ -87,12 +87,6 @@ def test_swing_takes_the_highest_streamed_gpu_subgroups_never_resident_ones():
     assert swing_candidates(5, ScheduleConfig(gpu_fraction=0.6)) == []
 
 
-def test_adaptive_swing_refuses_the_gpu_lane_during_backward():
-    with pytest.raises(ConfigError, match="adaptive_swing and backward_gpu_subgroups"):
-        ScheduleConfig.from_ds_config({"dostune": {"adaptive_swing": 1, "backward_gpu_subgroups": 1,
-                                                   "overlap_backward": True}})
-
-
 def test_lane_times_from_spans_carry_each_lanes_cost_across_steps():
     from dostune.optim.balance import lane_times
 

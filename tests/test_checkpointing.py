@@ -31,7 +31,7 @@ RELEASE_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distan
 PREFETCHED = {"stage3_param_persistence_threshold": 0}
 STEPS = 6
 # the GPU lane updates subgroups during backward too: its hooks see the recomputed blocks' gradients
-OVERLAP = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True, backward_gpu_subgroups=2)
+OVERLAP = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True)
 
 
 # --- the switch -------------------------------------------------------------------------------------------------
@@ -205,8 +205,8 @@ def test_checkpointed_training_equals_plain_deepspeed_step_for_step(name):
     assert ours["type"] == "InterleavedZeroOptimizer"
     assert ours["seen"] == [("fwd", True), ("bwd", True)] * STEPS
     _assert_same_training(ours, ref)
-    st = ours["overlap"]  # both lanes updated subgroups during the checkpointed backward
-    assert st["speculative"] == st["committed"] == STEPS * 2 and st["gpu_speculative"] == STEPS * 2
+    st = ours["overlap"]  # the CPU lane updated its subgroups during the checkpointed backward
+    assert st["speculative"] == st["committed"] == STEPS * 2
 
 
 @pytest.mark.slow

@@ -47,26 +47,9 @@ def test_all_cpu_step_by_hand():
 
 def test_single_gpu_subgroup_by_hand():
     n = node()
-    p = simulate_step([1_000_000_000], ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False), n)
+    p = simulate_step([1_000_000_000], ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n)
     expect = 12e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9  # in (alone), kernel, out (alone)
     assert p.lanes_s == pytest.approx(expect)
-
-
-def test_prefetch_during_backward_by_hand():
-    n = node()
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=True)
-    # backward long enough: the states are already in, the step is kernel + copy out
-    assert simulate_step([1_000_000_000], sched, n).lanes_s == pytest.approx(1e9 / 100e9 + 12e9 / 50e9)
-    # a 0.1 s backward hides 0.1 s of the 0.24 s copy in
-    short = simulate_step([1_000_000_000], sched, n, backward_s=0.1).lanes_s
-    assert short == pytest.approx(12e9 / 50e9 - 0.1 + 1e9 / 100e9 + 12e9 / 50e9)
-    # gradients that come from the host still stream in during the step
-    no_kept = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, grads_on_gpu=False, prefetch_states=True)
-    assert simulate_step([1_000_000_000], no_kept, n).lanes_s == pytest.approx(4e9 / 50e9 + 1e9 / 100e9 + 12e9 / 50e9)
-    # only the first slot's worth is prefetched: the second subgroup waits for the slot and streams in during
-    # the step (copies at the duplex rate while not last, as in the staging test below)
-    two = simulate_step([1_000_000_000] * 2, sched, n).lanes_s
-    assert two == pytest.approx(1e9 / 100e9 + 12e9 / 40e9 + 12e9 / 40e9 + 1e9 / 100e9 + 12e9 / 50e9)
 
 
 def test_overlap_backward_by_hand():
@@ -89,25 +72,6 @@ def test_overlap_backward_by_hand():
                                                                                          cpu_threads=16), n).lanes_s
 
 
-def test_gpu_lane_during_backward_by_hand():
-    n = node()
-    sizes = [1_000_000_000, 1_000_000_000]
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, overlap_backward=True, backward_gpu_subgroups=1)
-    # subgroup 1 is final halfway through a 2 s backward: states in from backward's start, kernel at -1.0 s,
-    # write-back at the duplex rate; subgroup 0 runs in the step (in at the duplex rate, out alone)
-    p = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.5])
-    by = {(x.lane, x.subgroup): x for x in p.spans}
-    assert by["h2d", 1].start == pytest.approx(-2.0) and by["h2d", 1].end == pytest.approx(-2.0 + 12e9 / 50e9)
-    assert by["gpu", 1].start == pytest.approx(-1.0)
-    assert by["d2h", 1].end == pytest.approx(-1.0 + 1e9 / 100e9 + 12e9 / 40e9)
-    assert p.lanes_s == pytest.approx(12e9 / 40e9 + 1e9 / 100e9 + 12e9 / 50e9)
-    in_step = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, overlap_backward=True)
-    assert p.lanes_s < simulate_step(sizes, in_step, n, backward_s=2.0, ready_fraction=[1.0, 0.5]).lanes_s
-    # slots that fit only 75% into backward: the states stream in from -0.5 s
-    late = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.5], slots_free_at=0.75)
-    assert next(x for x in late.spans if x.lane == "h2d" and x.subgroup == 1).start == pytest.approx(-0.5)
-
-
 def test_grad_ready_fractions_interpolate_the_profile():
     # profile: two subgroups of 100 elements, final at 0.8 s and 0.2 s of a 1 s backward
     assert grad_ready_fractions([50, 100, 50], [100, 100], [0.8, 0.2], 1.0) == [0.8, 0.8, 0.2]
@@ -117,8 +81,8 @@ def test_grad_ready_fractions_interpolate_the_profile():
 def test_staging_slot_reuse_serialises_with_one_buffer():
     n = node()
     sizes = [1_000_000_000] * 3
-    one = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False), n).lanes_s
-    two = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=2, prefetch_states=False), n).lanes_s
+    one = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=1), n).lanes_s
+    two = simulate_step(sizes, ScheduleConfig(gpu_fraction=1.0, staging_buffers=2), n).lanes_s
     assert two < one
     # one slot: three in-kernel-out chains back to back; the first copy in and the last copy out run alone,
     # the other four at the duplex rate
@@ -189,7 +153,7 @@ def test_step_prefetch_during_deepspeeds_prologue_by_hand():
     from dostune.perfmodel.model import STEP_PROLOGUE_SHARE, STEP_RELEASE_SHARE
 
     n = node()
-    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, prefetch_states=False)
+    sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1)
     # the copy in starts at the step's start, prologue = 0.85 * 0.2 s before the lanes' time 0
     p = simulate_step([1_000_000_000], sched, n, overhead_s=0.2)
     h2d = [s for s in p.spans if s.lane == "h2d"]

@@ -20,7 +20,11 @@ def test_cpu_quick_start_profiles_tunes_refits_and_trains(tmp_path):
     (bin_dir / "python").symlink_to(sys.executable)
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    # a fresh shell's environment: not the rendezvous of a world an earlier test made in this process (whose port
+    # this process still holds)
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = dict(clean, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                CUDA_VISIBLE_DEVICES="",  # the CPU path, on any machine
                TRIALS="3", STEPS="3", PROFILE_ARGS="--quick")

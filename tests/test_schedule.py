@@ -81,3 +81,39 @@ def test_resident_subgroups_come_first_and_use_no_slot():
         make_plan(6, ScheduleConfig(gpu_fraction=0.5, resident_subgroups=4))
     with pytest.raises(ConfigError, match="needs grads_on_gpu"):
         ScheduleConfig.from_ds_config({"dostune": {"resident_subgroups": 1, "grads_on_gpu": False}})
+
+
+@pytest.mark.parametrize("key", ["prefetch_states", "backward_gpu_subgroups"])
+def test_a_removed_key_is_refused_with_what_to_do(key):
+    with pytest.raises(ConfigError, match=f"'{key}' was removed from dostune .*: delete it from the dostune section"):
+        ScheduleConfig.from_ds_config({"dostune": {"gpu_fraction": 0.5, key: 0}})
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 26, 60])
+def test_the_fraction_for_a_count_selects_exactly_that_count(n):
+    from dostune.optim.schedule import gpu_count, gpu_fraction_for
+
+    for k in range(n + 1):
+        f = gpu_fraction_for(k, n)
+        assert gpu_count(n, f) == k == assign_lanes(n, f, "first").count(GPU) == assign_lanes(n, f, "spread").count(GPU)
+
+
+def test_pinned_host_memory_counts_what_the_cpu_lane_allocates():
+    from dostune.optim.footprint import HALF_RING_BYTES, backward_lane_host_bytes, half_ring_count, pinned_host_bytes
+
+    sizes = [100, 300, 200, 200, 100]
+    # GPU lane 0-2 (0 resident); the CPU lane 3, 4; adaptive_swing may move 2 and 1 to it
+    sched = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", resident_subgroups=1, overlap_backward=True,
+                           adaptive_swing=2)
+    plan = make_plan(5, sched)
+    assert plan.cpu_order == [3, 4] and plan.swing_candidates == (2, 1)
+    # shadows of all four it may update, and one ring buffer per subgroup of the widest (subgroup 1)
+    assert backward_lane_host_bytes(sizes, plan, sched) == 12 * 800 + 4 * 300 * 2
+    # fp32 params, gradients, exp_avg, exp_avg_sq and DeepSpeed's bf16 gradient buffer: 18 bytes per element (20 in fp32)
+    assert pinned_host_bytes(sizes, plan, sched) == 18 * 900 + 12 * 800 + 4 * 300 * 2
+    assert pinned_host_bytes(sizes, plan, sched, grad_buffer=4) == 20 * 900 + 12 * 800 + 4 * 300 * 2
+    # the ring stops at HALF_RING_BYTES (at least two buffers)
+    assert half_ring_count(40, HALF_RING_BYTES // 20) == 10 and half_ring_count(40, HALF_RING_BYTES) == 2
+    # at the step the CPU lane converts into two buffers (cpu_convert), and keeps no shadows
+    step = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", upload="cpu_convert")
+    assert pinned_host_bytes(sizes, make_plan(5, step), step) == 18 * 900 + 2 * 200 * 2

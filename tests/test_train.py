@@ -193,17 +193,33 @@ def test_staging_larger_than_the_gpu_is_refused():
     check_staging_fits(opt, ScheduleConfig(gpu_fraction=0.0, upload="cpu_convert"), capacity_bytes=10 * 2**30)
 
 
-def test_overlap_shadows_larger_than_host_memory_are_refused():
+def test_host_memory_the_optimizer_would_still_allocate_is_refused_with_the_numbers():
     from types import SimpleNamespace
 
-    from dostune.optim.zero3 import check_shadows_fit
+    from dostune.optim.zero3 import check_host_fits
 
-    opt = SimpleNamespace(fp16_partitioned_groups_flat_numel=[10**9] * 4)
-    sched = ScheduleConfig(gpu_fraction=0.5, overlap_backward=True)  # 2 CPU-lane subgroups: 24 GB of shadows + 4 GB of half buffers
-    with pytest.raises(ConfigError, match="overlap_backward needs 26.1 GiB more host memory .* only 16.0 GiB"):
-        check_shadows_fit(opt, sched, available=16 * 2**30)
-    check_shadows_fit(opt, sched, available=64 * 2**30)
-    check_shadows_fit(opt, ScheduleConfig(gpu_fraction=0.5), available=1)  # no overlap: no shadows
+    states = [{}, {}, {"step": 1}, {"step": 1}]  # DeepSpeed created the Adam states of the last two only
+    flat = [object() for _ in states]
+    opt = SimpleNamespace(fp16_partitioned_groups_flat_numel=[10**9] * 4, fp32_partitioned_groups_flat=flat,
+                          optimizer=SimpleNamespace(state=dict(zip(flat, states))))
+    # 2 CPU-lane subgroups: 24 GB of shadow states + 4 GB of half buffers, and 16 GB of Adam states still to create
+    sched = ScheduleConfig(gpu_fraction=0.5, overlap_backward=True)
+    with pytest.raises(ConfigError, match=r"needs 41.0 GiB more host memory on this rank \(Adam states 14.9, the "
+                                          r"lanes' buffers 26.1 \(shadow states .*only 16.0 GiB"):
+        check_host_fits(opt, sched, available=16 * 2**30)
+    check_host_fits(opt, sched, available=64 * 2**30)
+    with pytest.raises(ConfigError, match=r"needs 14.9 GiB more host memory on this rank \(Adam states 14.9"):
+        check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5), available=10 * 2**30)  # no overlap: the states
+    check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5), available=16 * 2**30)
+
+
+def test_deepspeed_offload_host_memory_rounds_pinned_buffers_up_to_powers_of_two():
+    from dostune.optim.footprint import deepspeed_offload_host_bytes
+
+    sizes = [100, 100, 28]  # gradients 400, 400, 112 bytes -> 512, 512, 128; the bf16 buffer 456 -> 512
+    assert deepspeed_offload_host_bytes(sizes, pin_memory=False) == 18 * 228
+    assert deepspeed_offload_host_bytes(sizes, pin_memory=True) == 4 * 228 + 512 + 512 + 128 + 512 + 8 * 228
+    assert deepspeed_offload_host_bytes(sizes, pin_memory=False, grad_buffer=4) == 20 * 228
 
 
 def test_cli_train_help_mentions_the_launcher():

@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..profile.record import check_version, read_json_record
 from ..stats import Stat
 
-# 2: rounds, and each method's per-iteration samples and per-round medians. Version 1 records (one round) still
-# load: the new fields take their defaults.
-BENCH_SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
+# the launcher. Older records still load: the new fields take their defaults.
+BENCH_SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 BENCH_KIND = "dostune.bench"
 
 
@@ -26,8 +26,21 @@ class Span(_Record):
     end: float
 
 
+class RankFigures(_Record):
+    """One rank's medians and peak memory, under the launcher."""
+
+    rank: int
+    iter_s: float
+    fwd_s: float
+    bwd_s: float
+    step_s: float
+    peak_gpu_gib: Optional[float] = None
+
+
 class MethodResult(_Record):
-    """One method's figures: medians over the timed iterations, with spread."""
+    """One method's figures: medians over the timed iterations, with spread. Under the launcher: the slowest rank's
+    (the one with the longest median iteration), its peak memory the highest of any rank, and every rank's own
+    figures in ``ranks`` (the first round's)."""
 
     method: str
     description: str
@@ -52,6 +65,8 @@ class MethodResult(_Record):
     # Seconds of every timed iteration, per phase (fwd, bwd, step, iter), all rounds in the order they ran.
     samples: dict[str, list[float]] = Field(default_factory=dict)
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
+    ranks: list[RankFigures] = Field(default_factory=list)  # empty for a world of one
+    slowest_rank: Optional[int] = None
 
 
 class BenchResult(_Record):
@@ -70,7 +85,8 @@ class BenchResult(_Record):
     seq: int
     precision: str
     clip: float = 1.0  # gradient clipping of every method (records before it existed used 1.0)
-    world_size: int = 1
+    world_size: int = 1  # ranks (one per GPU); every method ran on each, figures are the slowest rank's
+    nodes: int = 1
     warmup: int
     iters: int  # timed iterations per method and round
     rounds: int = 1  # every method measured this many times, the order reversed every other round

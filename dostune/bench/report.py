@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .record import BenchResult, MethodResult, Span
+from .record import BenchResult, RankFigures, Span
 
 COLUMNS = ["method", "iter s", "fwd s", "bwd s", "step s", "speedup", "update G elem/s", "peak GPU GiB",
            "final loss"]
@@ -37,6 +37,22 @@ def ceiling_lines(res: BenchResult) -> list[str]:
     return out
 
 
+def describe_ranks(ranks: list[RankFigures]) -> str:
+    """The slowest rank's phases and every rank's median iteration and peak GPU memory, on one line."""
+    slow = max(ranks, key=lambda r: r.iter_s)
+    each = ", ".join(f"rank {r.rank} {r.iter_s:.3f} s" + (f" / {r.peak_gpu_gib:.1f} GiB" if r.peak_gpu_gib is not None
+                                                           else "") for r in ranks)
+    return (f"slowest rank {slow.rank}: iteration {slow.iter_s:.3f} s = forward {slow.fwd_s:.3f} + backward "
+            f"{slow.bwd_s:.3f} + step {slow.step_s:.3f}; iteration" + (" / peak GPU memory" if slow.peak_gpu_gib
+                                                                        is not None else "") + f" per rank: {each}")
+
+
+def rank_lines(res: BenchResult) -> list[str]:
+    """Under the launcher, one line per method: its slowest rank (whose phases the table shows) and every rank's
+    median iteration and peak memory."""
+    return [f"{name}: {describe_ranks(m.ranks)}" for name, m in res.methods.items() if m.ran and m.ranks]
+
+
 def _repeats(res: BenchResult) -> str:
     if res.rounds == 1:
         return f"medians of {res.iters} iterations after {res.warmup} warm-up"
@@ -58,6 +74,10 @@ def markdown(res: BenchResult) -> str:
                   ""]
         lines += [f"- `{n}`: " + ", ".join(f"{x:.3f}" for x in m.round_iter_s)
                   for n, m in res.methods.items() if m.ran]
+    ranks = rank_lines(res)
+    if ranks:
+        lines += ["", f"{res.world_size} ranks on {res.nodes} node(s): each row is the slowest rank's, its peak "
+                  "memory the highest of any rank.", ""] + [f"- {line}" for line in ranks]
     ceiling = ceiling_lines(res)
     if ceiling:
         lines += ["", "Against no offload (the ceiling):", ""] + [f"- {line}" for line in ceiling]

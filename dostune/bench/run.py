@@ -4,7 +4,13 @@ methods run again in reverse order (A B, B A, ...) and their samples are pooled.
 
 Each method runs in its own process (bench/isolate.py): an engine that the out-of-memory killer ends, a CUDA
 error that poisons the context, or a crash in native code then costs that method's row (which says what
-happened), not the other methods' results."""
+happened), not the other methods' results.
+
+Under DeepSpeed's launcher (`deepspeed --num_gpus N --module dostune.bench ...`) every rank runs every method, in
+its own process, one after another: a method's engine spans all ranks, so a rank that lost its method process
+would leave the others waiting in ZeRO-3's collectives, and isolation could not save the rest of the run. After
+each method the ranks exchange their figures: the result shows the slowest rank's phases and every rank's peak
+memory, and rank 0 writes it."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -23,13 +29,16 @@ from ..errors import DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
 from ..deepspeed_support import check_deepspeed
+from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
+from ..perfmodel.world import WORLD_KEY, World, gather_ranks, rank
 from ..profile.identity import cuda_available, deepspeed_version, nvml, nvml_handle
 from ..profile.timing import NullProgress, ProgressSink
 from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
-from .record import BenchResult, MethodResult, Span
+from ..host_memory import fit_host_memory
+from .record import BenchResult, MethodResult, RankFigures, Span
 
 METHODS: dict[str, str] = {
     "no-offload": "ZeRO-3 with the optimizer state on the GPU (ratio 0.0): the ceiling",
@@ -53,6 +62,7 @@ class Variant:
     schedule: ScheduleConfig
     sub_group_size: Optional[int] = None
     source: str = ""  # where it came from (a config path), for the report
+    world: Optional[World] = None  # the world its config was tuned for, when it says
 
     @property
     def method(self) -> str:
@@ -78,6 +88,7 @@ class BenchOptions:
     sub_group_size: int = 100_000_000  # DeepSpeed's faster setting on the reference node (1e8 vs its 1e9 default)
     schedule: Optional[ScheduleConfig] = None  # dostune's; default: ScheduleConfig()
     dostune_sub_group_size: Optional[int] = None
+    dostune_world: Optional[World] = None  # the world dostune's --config was tuned for, when it says
     node: Optional[str] = None
     train: TrainSettings = field(default_factory=TrainSettings)
     variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
@@ -179,7 +190,10 @@ def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) 
     v = opts.variant(name)
     sched = v.schedule if v is not None else (opts.schedule or ScheduleConfig())
     dsgs = v.sub_group_size if v is not None else opts.dostune_sub_group_size
-    return OffloadSettings(sub_group_size=dsgs or sgs, ratio=1.0, schedule=sched.model_copy(update={"trace": True}))
+    # pin_memory off: dostune page-locks DeepSpeed's buffers in place, without the power-of-two rounding
+    # (optim/footprint.py)
+    return OffloadSettings(sub_group_size=dsgs or sgs, ratio=1.0, pin_memory=False,
+                           schedule=sched.model_copy(update={"trace": True}))
 
 
 def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: float) -> float:
@@ -238,13 +252,31 @@ def gpu_allocated_gib() -> Optional[float]:
 
 def run_method(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
                progress: ProgressSink) -> MethodResult:
-    """One method's measurement: in its own process unless ``opts.isolate`` is off. Never raises for a method
-    that fails: the result says what happened (``ran`` False, ``error``)."""
+    """One method's measurement: in its own process unless ``opts.isolate`` is off or this is one rank of several
+    (see the module's docstring). Never raises for a method that fails: the result says what happened (``ran``
+    False, ``error``)."""
+    if World.of_run().size > 1:
+        return combine_ranks(gather_ranks(run_method_here(name, spec, opts, offload, progress)))
     if opts.isolate:
         from .isolate import run_isolated
 
         return run_isolated(name, opts, offload, progress)
     return run_method_here(name, spec, opts, offload, progress)
+
+
+def combine_ranks(results: list[MethodResult]) -> MethodResult:
+    """Every rank's result of one method as one: the slowest rank's (longest median iteration) with the highest
+    peak memory of any rank and each rank's figures; a rank that failed makes the method a failure."""
+    failed = next(((k, r) for k, r in enumerate(results) if not r.ran), None)
+    if failed is not None:
+        return failed[1].model_copy(update={"error": f"on rank {failed[0]}: {failed[1].error}"})
+    ranks = [RankFigures(rank=k, iter_s=r.iter_s, fwd_s=r.fwd_s, bwd_s=r.bwd_s, step_s=r.step_s,
+                         peak_gpu_gib=r.peak_gpu_gib) for k, r in enumerate(results)]
+    slowest = max(range(len(results)), key=lambda k: results[k].iter_s)
+    peaks = [r.peak_gpu_gib for r in results if r.peak_gpu_gib is not None]
+    phase_peak = {ph: max(r.phase_peak_gib.get(ph, 0.0) for r in results) for ph in results[slowest].phase_peak_gib}
+    return results[slowest].model_copy(update=dict(ranks=ranks, slowest_rank=slowest, phase_peak_gib=phase_peak,
+                                                   peak_gpu_gib=max(peaks) if peaks else None))
 
 
 def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
@@ -293,8 +325,10 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
             cfg = {"zero_optimization": {"sub_group_size": off.sub_group_size},
                    "dostune": off.schedule.model_dump(exclude_none=True)}
             v = opts.variant(name)
-            check_fits(cfg, spec, v.source if v and v.source else f"the {name} schedule",
-                       int(os.environ.get("WORLD_SIZE", "1")))
+            tuned = v.world if v is not None else opts.dostune_world
+            if tuned is not None:
+                cfg[WORLD_KEY] = tuned.as_config()
+            check_fits(cfg, spec, v.source if v and v.source else f"the {name} schedule")
     check_deepspeed("dostune bench")
     return spec, spec.num_params or sum(numels), methods
 
@@ -328,6 +362,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     gpu = gpu_name()
+    world = World.of_run()
 
     def result() -> BenchResult:
         return BenchResult(
@@ -335,9 +370,13 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
             deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
             node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model, params=params,
             micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision, clip=opts.clip,
-            warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed,
-            methods={name: pool_rounds(runs[name]) for name in methods if runs[name]})
+            warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed, world_size=world.size,
+            nodes=world.nodes, methods={name: pool_rounds(runs[name]) for name in methods if runs[name]})
 
+    numels = param_numels(spec)
+    host_available = available_host_bytes()
+    if host_available is not None:  # the ranks of one node share it
+        host_available //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     twin_ratio = None
     for r in range(opts.rounds):
         # Reversed every other round: a machine that drifts over minutes then favours no method.
@@ -347,11 +386,19 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                 if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
                     twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
-            res = run_method(name, spec, opts, _method_offload(name, opts, twin_ratio), sink)
+            try:
+                off, note = fit_host_memory(name, _method_offload(name, opts, twin_ratio), numels, opts.precision,
+                                            host_available)
+            except DostuneError as e:
+                res = MethodResult(method=name, description=opts.describe(name), ran=False, error=str(e))
+            else:
+                res = run_method(name, spec, opts, off, sink)
+                if note and res.ran:
+                    res.description += f" ({note})"
             if name == "twin-flow-mem" and res.ran:
                 res.description += f" (ratio {twin_ratio})"
             runs[name].append(res)
-            if on_result is not None:
+            if on_result is not None and rank() == 0:  # every rank holds the same result; rank 0 keeps it
                 on_result(result())
     return result()
 

@@ -55,7 +55,7 @@ class _Group(_FlagHelp, TyperGroup):
             where = f"`{ctx.command_path} --help`" if ctx is not None else "`dostune --help`"
             print_error(e.format_message(), f"{where} lists the options")
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except typer.Abort:  # Ctrl-C at a prompt (typer bundles its own click: its Abort lives here)
             err_console.print("aborted")
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,6 +1,7 @@
 """`dostune bench`: every offload method on the same model, batch and seed, in one run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -10,11 +11,13 @@ import typer
 from rich.table import Table
 
 from ..bench.record import BenchResult
-from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rows
+from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rank_lines, rows
 from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_dostune, node_label, run_bench
 from ..dsconfig import activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
+from ..perfmodel.world import World, rank
+from ..profile.timing import NullProgress
 from ..profile.record import atomic_write_text, check_writable, read_json_record, save_record
 from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
@@ -28,13 +31,13 @@ def render_bench(res: BenchResult) -> Table:
     return t
 
 
-def _read_config(config: Path) -> tuple[ScheduleConfig, Optional[int]]:
+def _read_config(config: Path) -> tuple[ScheduleConfig, Optional[int], Optional[World]]:
     data = read_json_record(config, "DeepSpeed config")
     sched = ScheduleConfig.from_ds_config(data)
     if sched is None:
         raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
     sgs = data.get("zero_optimization", {}).get("sub_group_size")
-    return sched, int(sgs) if sgs else None
+    return sched, int(sgs) if sgs else None, World.from_config(data, str(config))
 
 
 def config_label(path: Path) -> str:
@@ -49,17 +52,18 @@ def _variants(configs: list[Path], sub_group_size: Optional[int]) -> list[Varian
     ``sub_group_size`` (--dostune-sub-group-size) replaces each config's own."""
     out, used = [], {config_label(configs[0])}
     for path in configs[1:]:
-        sched, sgs = _read_config(path)
+        sched, sgs, world = _read_config(path)
         sgs = sub_group_size or sgs
         label, k = config_label(path), 2
         while label in used:
             label, k = f"{config_label(path)}-{k}", k + 1
         used.add(label)
-        out.append(Variant(label=label, schedule=sched, sub_group_size=sgs, source=str(path)))
+        out.append(Variant(label=label, schedule=sched, sub_group_size=sgs, source=str(path), world=world))
     return out
 
 
-def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) -> tuple[Optional[ScheduleConfig], Optional[int]]:
+def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) \
+        -> tuple[Optional[ScheduleConfig], Optional[int], Optional[World]]:
     if config is not None and schedule_json is not None:
         raise DostuneError("give either --config or --schedule, not both")
     if config is not None:
@@ -69,8 +73,8 @@ def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) -> tupl
             section = json.loads(schedule_json)
         except json.JSONDecodeError as e:
             raise DostuneError(f"--schedule is not valid JSON: {e.msg}") from None
-        return ScheduleConfig.from_ds_config({"dostune": section}), None
-    return None, None
+        return ScheduleConfig.from_ds_config({"dostune": section}), None, None
+    return None, None, None
 
 
 @handle_errors
@@ -116,15 +120,20 @@ def bench(
 
     Example: dostune bench --model gpt2-1.3b --micro-batch 8 --seq 1024 --config ds_config.json
 
+    Several GPUs or nodes: under DeepSpeed's launcher every rank runs every method, and the result shows the
+    slowest rank's phases and every rank's peak memory (docs/multi-gpu.md):
+      deepspeed --num_gpus 2 --module dostune.bench --model gpt2-1.3b --config ds_config.json
+
     Two schedules against no offload, drift cancelled (A B C, C B A):
     dostune bench --methods no-offload,dostune --rounds 2 --config a/ds_config.json --config b/ds_config.json
     """
     configs = list(config or [])
-    sched, sgs = _schedule_from(configs[0] if configs else None, schedule)
+    sched, sgs, tuned_world = _schedule_from(configs[0] if configs else None, schedule)
     variants = _variants(configs, dostune_sub_group_size) if len(configs) > 1 else []
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, clip=clip, iters=iters,
                         warmup=warmup, rounds=rounds, seed=seed, sub_group_size=sub_group_size, schedule=sched,
-                        dostune_sub_group_size=dostune_sub_group_size or sgs, node=node, variants=variants,
+                        dostune_sub_group_size=dostune_sub_group_size or sgs, dostune_world=tuned_world, node=node,
+                        variants=variants,
                         methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
                         activation_checkpointing=activation_checkpointing
                         or any(config_checkpoints(read_json_record(c, "DeepSpeed config")) for c in configs))
@@ -142,8 +151,12 @@ def bench(
         save_record(partial, path)
         atomic_write_text(path.with_suffix(".md"), markdown(partial))
 
-    with RichProgress() as progress, quiet_stdout():
+    # under the launcher rank 0 alone shows progress and writes the result, which holds every rank's figures
+    shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
+    with shown as progress, quiet_stdout():
         res = run_bench(opts, progress, on_result=keep)
+    if rank() != 0:
+        return
     keep(res)
     pngs = []
     for name, m in res.methods.items():
@@ -154,8 +167,8 @@ def bench(
                                       f"{name} update timeline: {model} on {res.node}"))
     png = ", ".join(str(x) for x in pngs if x) or None
     err_console.print(render_bench(res))
-    for line in ceiling_lines(res):
-        err_console.print(line)
+    for line in rank_lines(res) + ceiling_lines(res):
+        err_console.print(line, highlight=False, soft_wrap=True)
     failed = [n for n, m in res.methods.items() if not m.ran]
     if failed:
         err_console.print(f"[yellow]note:[/] {len(failed)} method(s) did not run: {', '.join(failed)} (the reason is "

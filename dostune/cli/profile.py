@@ -1,6 +1,7 @@
 """`dostune profile`: measure the node (and, with --model, a model on it)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -51,6 +52,11 @@ def profile(
                                                    "Default: 1, cores/4, cores/2, 3*cores/4, cores."),
     copy_sizes_mib: Optional[str] = typer.Option(None, help="Comma-separated copy sizes in MiB. Default: 4,16,64,256,1024."),
     no_contention: bool = flag(False, "--no-contention", help="Skip CPU Adam under concurrent DMA."),
+    ranks_per_node: Optional[int] = typer.Option(None, min=1, help="Measure this many ranks of the node together, "
+                                                 "as `deepspeed --num_gpus N` runs them: CPU Adam in N processes at "
+                                                 "once (cores/N threads each), GPUs 0..N-1 copying at once, the DMA "
+                                                 "contention with all of them streaming, and the GPUs' PCIe/NUMA "
+                                                 "topology. Default: every GPU torch sees (1 without a GPU)."),
     model: Optional[str] = typer.Option(None, help="Profile this model instead of the node: a preset (e.g. "
                                         "gpt2-1.3b), hf:config.json, or package.module:factory."),
     micro_batch: int = typer.Option(8, min=1, help="With --model: micro-batch size."),
@@ -70,7 +76,8 @@ def profile(
 
     Measures PCIe bandwidth (H2D, D2H, both at once, pageable H2D) over sizes, DeepSpeed's CPU Adam over
     sizes and thread counts, the GPU lane's fused Adam, fp32->half conversion on CPU and GPU, and CPU
-    Adam slowed down by concurrent DMA.
+    Adam slowed down by concurrent DMA. On a node with several GPUs it also measures them together, as the
+    ranks of `deepspeed --num_gpus N` use them (--ranks-per-node; docs/multi-gpu.md).
 
     Without a GPU only the CPU side is measured and the GPU side is reported as not available.
     Takes one to two minutes on a GPU node (DeepSpeed's CPU Adam is built on first use, about a minute).
@@ -78,7 +85,9 @@ def profile(
     With --model, profiles that model under DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU instead:
     forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
     subgroup's gradients become final in backward, and PCIe traffic per phase. It is written to its own
-    file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.
+    file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node. For several GPUs or nodes run it under
+    DeepSpeed's launcher, as training will run (default name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
+      deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b --name mynode
 
     Examples:
       dostune profile --name mynode --output runs/profiles/mynode.json
@@ -94,6 +103,7 @@ def profile(
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
     opts.contention = not no_contention
+    opts.ranks_per_node = ranks_per_node
     opts.cpu_adam_threads = _parse_sizes(cpu_adam_threads, 1, "--cpu-adam-threads") or opts.cpu_adam_threads
     opts.copy_sizes_bytes = _parse_sizes(copy_sizes_mib, 1 << 20, "--copy-sizes-mib") or opts.copy_sizes_bytes
     opts.validate()
@@ -120,7 +130,9 @@ def _output_path(output: Optional[Path], force: bool, default_name) -> Path:
 
 
 def render_model_profile(p) -> Table:
-    t = Table(title=f"model profile: {p.model} (micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}) on {p.node}")
+    world = f", {p.world_size} ranks on {p.world.nodes} node(s), the slowest rank's" if p.world_size > 1 else ""
+    t = Table(title=f"model profile: {p.model} (micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}{world}) on "
+                    f"{p.node}")
     for col in ("phase", "time s (median)", "spread", "peak alloc GiB", "min alloc GiB", "free GiB", "PCIe tx/rx GB/s"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     for ph, x in p.phases.items():
@@ -134,7 +146,9 @@ def render_model_profile(p) -> Table:
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
                    activation_checkpointing=False):
     from ..models.registry import resolve_model
-    from ..profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
+    from ..perfmodel.world import World, rank
+    from ..profile.timing import NullProgress
+    from ..profile.model import ModelProfileOptions, measure_model, model_profile_name, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                sub_group_size=sub_group_size, iters=iters, node=node,
@@ -147,17 +161,21 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
         raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions")
 
     def default_name() -> str:
-        # the name `dostune tune` looks for beside the node profile (profile/model.py default_model_profile_name)
+        # the name `dostune tune` looks for beside the node profile
         gpu = gpu_info(0)
         label = (node or (gpu.name if gpu else f"cpu-{os.cpu_count()}c")).replace(" ", "-").lower()
-        return f"{label}-{model}-b{micro_batch}-s{seq}.json"
+        return model_profile_name(label, model, micro_batch, seq, World.of_run())
 
     path = _output_path(output, force, default_name)
     if plot is not None:
         check_writable(plot, "--plot")
     need_deepspeed("dostune profile --model")
-    with RichProgress() as progress, quiet_stdout():
+    # under the launcher rank 0 alone shows progress
+    shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
+    with shown as progress, quiet_stdout():
         prof = measure_model(opts, progress)
+    if rank() != 0:  # under the launcher every rank measured; rank 0 writes what they measured together
+        return
     save_record(prof, path)
     err_console.print(render_model_profile(prof))
     ready = [s.grad_ready_s for s in prof.subgroups if s.grad_ready_s is not None]

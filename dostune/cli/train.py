@@ -1,18 +1,42 @@
 """`dostune train`: train with a DeepSpeed config and its dostune schedule, one GPU or many."""
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ..train.checkpoint import read_latest
 from ..train.loop import Interrupted, TrainOptions, check_options, train as run_train
+from ..bench.report import describe_ranks
 from .common import err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
+
+
+def _gather_rank_figures(records: list) -> list:
+    """Every rank's median step figures (after the first step, which builds and warms up) and peak GPU memory.
+    Every rank of several takes part (one with no steps sends nothing), else the others would wait for it."""
+    import statistics
+
+    from ..bench.record import RankFigures
+    from ..perfmodel.world import World, gather_ranks, rank
+
+    if World.of_run().size == 1:
+        return []
+    timed = records[1:] or records
+    mine = RankFigures(rank=rank(), **{k: statistics.median(getattr(r, k) for r in timed)
+                                       for k in ("iter_s", "fwd_s", "bwd_s", "step_s")},
+                       peak_gpu_gib=max((r.gpu_mem_gib for r in records if r.gpu_mem_gib is not None), default=None)) \
+        if records else None
+    return sorted((f for f in gather_ranks(mine) if f is not None), key=lambda r: r.rank)
 
 
 @handle_errors
 def train(
+    ctx: typer.Context,
     config: Path = typer.Option(..., help="DeepSpeed config (ZeRO-3, offload_optimizer to cpu), e.g. the one "
                                 "`dostune tune` wrote. Its 'dostune' section selects the interleaved optimizer; "
                                 "without one this is plain DeepSpeed."),
@@ -41,38 +65,46 @@ def train(
                                                   "transformer block (recompute its activations in backward) even "
                                                   "if the config has no activation_checkpointing section (with one, "
                                                   "it is on anyway)."),
+    rank_timeout: Optional[float] = typer.Option(None, min=1, envvar="DOSTUNE_RANK_TIMEOUT",
+                                                 help="Seconds after which a rank stops when another has died or "
+                                                 "hangs (exit 3; must exceed the longest step). Default: "
+                                                 "DeepSpeed's collective timeout, 10 minutes. See docs/faults.md."),
     json_out: bool = flag(False, "--json", help="Print a JSON summary on stdout at the end."),
 ):
     """Train a model with DeepSpeed ZeRO-3 and dostune's interleaved optimizer.
 
     Progress shows loss, tokens/s, iteration time and its forward/backward/step split, and GPU memory.
-    Ctrl-C finishes the current step, saves a checkpoint and exits; --resume continues from it with the
+    Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit with 128 + the signal's
+    number (130, 143, 138), printing the command that resumes; --resume continues from it with the
     same batches and the same optimizer state, bit for bit: on a CPU the loss sequence equals an
     uninterrupted run's; on a GPU that needs --deterministic too (otherwise nondeterministic backward
     kernels make it drift in the last bits). Checkpoints are DeepSpeed's own and load into plain DeepSpeed ZeRO-3 (and vice versa).
 
     Several GPUs or nodes: run it under DeepSpeed's launcher, e.g.
       deepspeed --num_gpus 2 --module dostune.train --config ds_config.json --model gpt2-1.3b --steps 200
+    with a config tuned for that world (dostune tune --num-gpus 2); one tuned for another world stops before the
+    engine is built. At the end rank 0 shows the slowest rank's phases and every rank's peak memory.
 
     Example: dostune train --config runs/tune/gpt2-1.3b/ds_config.json --model gpt2-1.3b --steps 200 --data corpus/
     """
-    import os
-
     rank0 = os.environ.get("RANK", "0") == "0"
     metrics = metrics or ((save_dir / "metrics.jsonl") if save_dir else Path("runs/train") / model.replace(":", "_")
                           / "metrics.jsonl")
     opts = TrainOptions(config=config, model=model, steps=steps, seq=seq, data=data, tokenizer=tokenizer, seed=seed,
                         save_dir=save_dir, save_every=save_every, resume=resume, log_every=log_every, metrics=metrics,
                         plain_deepspeed=plain_deepspeed, deterministic=deterministic,
-                        activation_checkpointing=activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing, rank_timeout=rank_timeout,
+                        resume_command=_resume_command(ctx))
     need_deepspeed("dostune train")
     check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
+    records = []
     with progress:
         task = progress.add_task("train", total=steps, info="building the engine...")
 
         def on_step(r):
+            records.append(r)
             mem = f" | {r.gpu_mem_gib:.1f} GiB" if r.gpu_mem_gib is not None else ""
             info = (f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s | {r.iter_s:.3f} s = fwd {r.fwd_s:.3f} + bwd "
                     f"{r.bwd_s:.3f} + step {r.step_s:.3f}{mem}")
@@ -82,12 +114,37 @@ def train(
 
         with quiet_stdout():
             summary = run_train(opts, on_step=on_step)
+    ranks = _gather_rank_figures(records)  # under the launcher: every rank's, on every rank
+    if rank0 and len(ranks) > 1:
+        err_console.print(describe_ranks(ranks), highlight=False, soft_wrap=True)
     if rank0:
         err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
                           f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))
         if json_out:
             print_json(summary.__dict__)
     if summary.interrupted:
-        raise Interrupted(f"interrupted at step {summary.last_step}"
-                          + (f"; checkpoint saved to {summary.checkpoints[-1]}, continue with --resume"
-                             if summary.checkpoints else " (no --save-dir, nothing saved)"))
+        latest = read_latest(save_dir) if save_dir else None
+        if rank0 and latest:  # its own line, unwrapped, to copy from a terminal or a job's log
+            err_console.print(f"resume with: {opts.resume_command}", soft_wrap=True, highlight=False, markup=False)
+        raise Interrupted(f"stopped by {signal.Signals(summary.stop_signal).name} after step {summary.last_step}"
+                          + (f"; checkpoint {save_dir / latest}" if latest else
+                             "; nothing saved" + ("" if save_dir else " (no --save-dir)")),
+                          summary.stop_signal)
+
+
+def _resume_command(ctx: typer.Context) -> str:
+    """The command line that continues this run: the options given on the command line (or through their
+    environment variables), with --resume. Under a launcher the ranks do not see the launcher's own options."""
+    words = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)
+        if p.name == "resume" or getattr(source, "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        value = ctx.params[p.name]
+        if p.is_flag:
+            words += [p.opts[0]] if value else p.secondary_opts[:1]
+        else:
+            words += [p.opts[0], str(value)]
+    prefix = ("dostune train" if int(os.environ.get("WORLD_SIZE", "1")) == 1
+              else "deepspeed <the same launcher options> --module dostune.train")
+    return f"{prefix} {shlex.join(words + ['--resume'])}"

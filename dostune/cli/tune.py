@@ -11,7 +11,8 @@ from rich.table import Table
 from ..bench.report import plot_timeline
 from ..profile.record import atomic_write_text, save_record
 from ..tune.record import TuneResult
-from ..errors import NotAvailable
+from ..errors import DostuneError, NotAvailable
+from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
@@ -24,11 +25,8 @@ def _f(x, fmt="{:.3f}"):
 
 
 def _during_backward(s: dict) -> str:
-    """What the schedule updates while backward runs: the CPU lane, and how many GPU-lane subgroups."""
-    if not s.get("overlap_backward"):
-        return "no"
-    k = s.get("backward_gpu_subgroups", 0)
-    return f"CPU + {k} GPU" if k else "CPU"
+    """What the schedule updates while backward runs."""
+    return "CPU" if s.get("overlap_backward") else "no"
 
 
 def render_trials(res: TuneResult) -> Table:
@@ -39,7 +37,7 @@ def render_trials(res: TuneResult) -> Table:
         t.add_column(col, justify="right")
     for r in res.top:
         s, p = r.schedule, r.predicted
-        gpu = round(s["gpu_fraction"] * r.subgroups + 1e-9)
+        gpu = gpu_count(r.subgroups, s["gpu_fraction"])
         res_k = s.get("resident_subgroups", 0)
         t.add_row(str(r.number), f"{r.sub_group_size:.3g}", f"{gpu}/{r.subgroups}" + (f" ({res_k} resident)" if res_k else ""),
                   str(s["staging_buffers"]),
@@ -79,7 +77,8 @@ def tune(
     profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Without a GPU and without "
                                            "this, the shipped H100 profile is used."),
     model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
-                                                 "NODE-MODEL-bB-sS.json beside the node profile, if any."),
+                                                 "NODE-MODEL-bB-sS.json (NODE-MODEL-bB-sS-MxN.json for M nodes of N "
+                                                 "GPUs) beside the node profile, if any."),
     trials: int = typer.Option(50, min=1, help="Optuna trials (in total: a resumed study runs only the rest)."),
     sampler: str = typer.Option("tpe", help="Optuna sampler: " + ", ".join(SAMPLERS) + "."),
     seed: int = typer.Option(0, help="Sampler seed."),
@@ -105,6 +104,17 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
                                  "report measured against predicted."),
+    num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
+                                           "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
+                                           "slots=N of each hostfile line). One rank per GPU; the model predicts one "
+                                           "rank and what it shares with the node's others. Default 1."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes the config will train on: the hosts of "
+                                        "DeepSpeed's hostfile (`deepspeed --hostfile FILE`), or the launches of "
+                                        "`deepspeed --no_ssh --node_rank K`. Default 1."),
+    hostfile: Optional[Path] = typer.Option(None, help="DeepSpeed's hostfile ('HOST slots=N' per node): tune for the "
+                                            "world it describes (its hosts, N GPUs each); every host must resolve."),
+    host_memory_budget: str = typer.Option("auto", help="Pinned host memory that the ranks of one node may hold "
+                                           "together, GiB; 'auto' = what the node profile found available."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="The emitted config "
                                                   "checkpoints every transformer block (DeepSpeed's "
                                                   "activation_checkpointing section); profile the model with it too."),
@@ -120,6 +130,10 @@ def tune(
     With --for trainer or --for accelerate the same config carries "auto" where the Hugging Face Trainer or
     Accelerate fill values in (docs/hf.md).
 
+    Several GPUs or nodes: --num-gpus N --nodes M (or --hostfile) tunes one rank of that world, and the config
+    records it ("dostune_world"); run it unchanged with `deepspeed --num_gpus N` (and the hostfile for M nodes).
+    Launched in another world, `dostune train` stops before building the engine (docs/multi-gpu.md).
+
     Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
@@ -127,9 +141,14 @@ def tune(
                        max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
                        storage=storage, study_name=study_name, target=target,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing, num_gpus=num_gpus, nodes=nodes,
+                       hostfile=hostfile, host_memory_budget=host_memory_budget)
     check_options(opts)
     if validate:
+        if opts.world().size > 1:
+            raise DostuneError("--validate runs the schedules in this one process, not in the world tuned for",
+                               hint="measure them under the launcher: deepspeed --num_gpus N --module dostune.bench "
+                                    "--config ds_config.json (docs/multi-gpu.md)")
         if not cuda_available():
             raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU",
                                hint="leave out --validate on this machine")
@@ -152,7 +171,7 @@ def tune(
     # the prediction the search scored: with overlap_backward, the CPU lane's work under backward included
     spans = space.predict_schedule(best.sub_group_size, sched).step.spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
-                        f"{best.sub_group_size:.3g}, {round(sched.gpu_fraction * best.subgroups)}/{best.subgroups} "
+                        f"{best.sub_group_size:.3g}, {gpu_count(best.subgroups, sched.gpu_fraction)}/{best.subgroups} "
                         "subgroups on the GPU")
     for note in res.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
@@ -161,6 +180,13 @@ def tune(
     if res.validation:
         err_console.print(render_validation(res))
         err_console.print(f"median iteration-time prediction error: [bold]{res.median_iter_error:.1%}[/]")
+    w = res.world
+    if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
+        ranks = w["gpus_per_node"]
+        err_console.print(f"tuned for {w['nodes']} node(s) x {ranks} GPU(s): times and memory are one rank's; the "
+                          f"node's {ranks} rank(s) pin {best.predicted.pinned_host_gib * ranks:.1f} GiB of host "
+                          f"memory together" + (f" (budget {res.host_budget_gib:.1f} GiB)"
+                                                if res.host_budget_gib is not None else ""), highlight=False)
     d = res.ds_offload
     if d is not None and d.iter_s and best.predicted.iter_s:
         err_console.print(f"predicted speedup over ZeRO-Offload: {d.iter_s / best.predicted.iter_s:.2f}x")

@@ -11,8 +11,6 @@
  * multiplies, fused multiply-adds, correctly rounded sqrt and division) for elements below tail_start,
  * and its scalar remainder loop (contracted differently by the compiler) above: the same split the GPU
  * lane's Triton kernel makes. Build with -ffp-contract=off so that no other product is fused. */
-#define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
@@ -197,21 +195,4 @@ void dostune_adam_oop(const float *restrict p, const void *restrict g, int grad_
     if (tail_start > n)
         tail_start = n;
     table[grad_kind][decay_kind][half_kind](p, g, m, v, po, mo, vo, half, n, tail_start, inv_scale, s, threads, nt);
-}
-
-/* Restrict every thread of the OpenMP team the calling thread leads (itself and `threads` - 1 pool threads, the
- * ones its later parallel regions of up to that size reuse) to the CPUs in cpus[0..ncpus). libgomp's pool threads
- * inherit the mask of the thread that created them only at creation, so a change of mask after the first
- * region has to be made from inside a region. Returns the number of threads whose mask could not be set. */
-int dostune_pin_team(int threads, const int *cpus, int ncpus)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int k = 0; k < ncpus; k++)
-        if (cpus[k] >= 0 && cpus[k] < CPU_SETSIZE)
-            CPU_SET(cpus[k], &set);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : failed)
-    failed += sched_setaffinity(0, sizeof(set), &set) != 0;
-    return failed;
 }

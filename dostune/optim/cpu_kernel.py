@@ -79,9 +79,6 @@ def load() -> ctypes.CDLL:
             f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + \
                 [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(_Scalars), ctypes.c_int,
                  ctypes.c_int]
-            pin = lib.dostune_pin_team
-            pin.restype = ctypes.c_int
-            pin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
             _lib = lib
         return _lib
 
@@ -120,15 +117,3 @@ def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale
                             n - n % width if width else 0, float(inv_scale), ctypes.byref(sc),
                             int(threads or torch.get_num_threads()), int(bool(nontemporal)))
 
-
-def pin_team(threads: int, cpus) -> None:
-    """Restrict the calling thread and the OpenMP pool threads its kernel calls of up to ``threads`` threads use
-    to ``cpus`` (Linux). Raises OSError if a thread's mask could not be set (e.g. a CPU outside the process's
-    own allowed set)."""
-    cpus = sorted(int(c) for c in cpus)
-    if not cpus:
-        raise ValueError("pin_team: no CPUs given")
-    arr = (ctypes.c_int * len(cpus))(*cpus)
-    failed = load().dostune_pin_team(max(1, int(threads)), arr, len(cpus))
-    if failed:
-        raise OSError(f"could not restrict {failed} of {threads} CPU-lane threads to CPUs {cpus}")

@@ -25,7 +25,6 @@ low-priority CUDA stream as each subgroup finishes.
 """
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -37,37 +36,15 @@ import numpy as np
 import torch
 
 from . import cpu_kernel
+from .host_state import Buffers, pinned_buffers
 from .kernels import AdamScalars
+from .norms import clipping_certain
 
 
-def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bool:
-    """Whether a partial sum of squared (scaled) gradient norms already makes clipping, or a skipped step, certain:
-    the global norm can only be larger. The test DeepSpeed's clipping applies, on the partial norm."""
-    norm = float(np.sqrt(float(partial_sq)))
-    return not np.isfinite(norm) or (clip is not None and clip > 0 and norm / loss_scale + 1e-6 > clip)
-
-
-HALF_RING_BYTES = 512 * 2**20
 # While the CPU lane has work, a thread waiting for the GIL gets it after this long instead of Python's default
 # 5 ms: the worker needs it briefly a few times per subgroup (between C calls that release it), and the host thread
 # it waits on runs long stretches of Python (backward's hooks, DeepSpeed's step prologue).
 LANE_SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass
-class Buffers:
-    p: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor
-
-
-def pinned_shadows(i: int, n: int, pin: Callable, prefix: str) -> Buffers:
-    """fp32 params, exp_avg and exp_avg_sq buffers of n elements for subgroup i, page-locked through ``pin``
-    under the keys (i, prefix + "_param"), ... so the lanes can copy into them asynchronously."""
-    b = Buffers(*(torch.empty(n, dtype=torch.float32) for _ in range(3)))
-    for kind, t in zip(("param", "exp_avg", "exp_avg_sq"), (b.p, b.m, b.v)):
-        pin((i, f"{prefix}_{kind}"), t)
-    return b
 
 
 @dataclass
@@ -92,48 +69,25 @@ class StepOutcome:
 class BackwardOverlap:
     def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
                  scalars: Callable[[], dict[int, AdamScalars]], device: torch.device, pin: Callable,
-                 threads_backward: int, threads_step: int):
+                 threads_backward: int, threads_step: int, ring: int):
         self.subgroups = list(subgroups)
         self._io, self._scalars_fn, self._pin = io, scalars, pin
         self.device = device
         self.cuda = device.type == "cuda"
         self.threads_backward, self.threads_step = threads_backward, threads_step
         self._shadows: dict[int, Buffers] = {}
-        # Pinned half-precision results waiting for their upload, used round robin. The uploads of the subgroups
-        # left to the step queue behind the GPU lane's copies in: with only two buffers the worker waited for them
-        # (the H100 timeline of results/h100/nt-gpt2-1.3b: CPU Adam idle 38 ms), so there are as many as fit in
-        # HALF_RING_BYTES, at least two.
-        self._halves: list[torch.Tensor] = []
-        self._half_done: list = []
+        # Pinned half-precision results waiting for their upload, used round robin: ``ring`` buffers (see
+        # footprint.half_ring_count), each allocated at its first use and grown to the widest subgroup it serves.
+        self._halves: list[torch.Tensor] = [torch.empty(0) for _ in range(ring)]
+        self._half_done: list = [None] * ring
         self._switch_interval: Optional[float] = None
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
         self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
         self._tasks: queue.Queue = queue.Queue()
-        # Stop speculating once the partial norm makes clipping certain (off only in tests of the redo path).
+        # Stop speculating once the partial norm makes clipping certain. A test seam, not an experiment: the parity
+        # tests turn it off so that every subgroup speculates and the recompute path runs on a model whose first
+        # subgroup already clips.
         self.partial_norm_cutoff = True
-        # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
-        # kernel runs at 3.6-4.1 G elements/s with them, 2.9-3.3 without (scripts/device-cpu-kernel.py); gpt2-1.3b on
-        # alternate iterations of one engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without
-        # (results/README.md, nt-gpt2-1.3b). Off only for A/B.
-        self.nontemporal = True
-        self.fast_switch = True  # see LANE_SWITCH_INTERVAL_S; off only for A/B
-        # Off: every update waits for the step (to measure what the CPU lane's work costs backward; A/B only).
-        self.speculate = True
-        # At most this many subgroups are updated speculatively in a step (None: all that allow it); the others wait
-        # for the step. A/B only: on the H100 with gpt2-1.3b, capping 26 CPU-lane subgroups at 12 took 27 ms off
-        # backward and put 70 ms on the step (results/h100/backward-interference-gpt2-1.3b).
-        self.max_speculative: Optional[int] = None
-        # Keep the thread that runs backward's hooks (which paces a host-bound ZeRO-3 backward) on a CPU of its own
-        # and the CPU lane's threads on the others while backward runs; in the step the lane uses every CPU. A/B
-        # only: on the H100 node (16 vCPUs of a shared host) it lengthened backward, 0.267 -> 0.283 s, and with 12
-        # CPU-lane threads 0.241 -> 0.267 s (alternate iterations of one engine, results/h100/pin-gpt2-1.3b).
-        self.pin_threads = False
-        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        # native ids of the threads pin_hook_thread restricted: backward's thread outlives the engine, so close()
-        # gives them every CPU back (a later engine in the process, e.g. the next method of a bench, must not
-        # inherit one CPU)
-        self._pinned_hooks: set[int] = set()
-        self._team_cpus: Optional[list[int]] = None  # what the worker's team was last restricted to
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -164,10 +118,9 @@ class BackwardOverlap:
         """Called at the first ready subgroup of a backward: fixes this step's Adam constants and whether
         (and up to which partial norm) speculation is allowed. ``spec_inv`` None: never speculate."""
         self.prepare()
-        self.spec_inv = spec_inv if self.speculate else None
+        self.spec_inv = spec_inv
         self.loss_scale = loss_scale
         self.clip_threshold = clip if clip > 0 else None
-        self.pin_hook_thread()
         self._ensure_thread()
         self._lane_busy(True)
 
@@ -217,38 +170,12 @@ class BackwardOverlap:
 
     def _lane_busy(self, busy: bool) -> None:
         """Shorten Python's GIL switch interval while the worker has work (see LANE_SWITCH_INTERVAL_S)."""
-        if busy and self.fast_switch and self._switch_interval is None:
+        if busy and self._switch_interval is None:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, LANE_SWITCH_INTERVAL_S))
         elif not busy and self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
-
-    def _can_pin(self) -> bool:
-        return len(self._cpus) >= 2
-
-    def pin_hook_thread(self) -> None:
-        """Restrict the calling thread (backward's, when called from its hooks) to the last allowed CPU if
-        ``pin_threads``, or give it back every CPU if an earlier call restricted it."""
-        if not self._can_pin():
-            return
-        tid = threading.get_native_id()
-        if self.pin_threads and tid not in self._pinned_hooks:
-            os.sched_setaffinity(0, self._cpus[-1:])
-            self._pinned_hooks.add(tid)
-        elif not self.pin_threads and tid in self._pinned_hooks:
-            os.sched_setaffinity(0, self._cpus)
-            self._pinned_hooks.discard(tid)
-
-    def _pin_team(self, in_backward: bool) -> None:
-        """Called by the worker before each update: its OpenMP team keeps off the hook thread's CPU while backward
-        runs (``pin_threads``); otherwise it may use every CPU (only changed back if it was ever restricted)."""
-        if not self._can_pin():
-            return
-        want = self._cpus[:-1] if (self.pin_threads and in_backward) else self._cpus
-        if want != self._team_cpus and (self._team_cpus is not None or want != self._cpus):
-            cpu_kernel.pin_team(max(self.threads_backward, self.threads_step), want)
-            self._team_cpus = want
 
     def shadow(self, i: int) -> Buffers:
         return self._shadows[i]
@@ -264,12 +191,6 @@ class BackwardOverlap:
 
     def close(self) -> None:
         self._lane_busy(False)
-        for tid in list(self._pinned_hooks):
-            try:
-                os.sched_setaffinity(tid, self._cpus)
-            except OSError:  # the thread has ended
-                pass
-            self._pinned_hooks.discard(tid)
         if self._thread is not None and self._thread.is_alive():
             self._tasks.put(("stop",))
             self._thread.join(timeout=60)
@@ -315,8 +236,6 @@ class BackwardOverlap:
     def _may_speculate(self, partial_sq) -> bool:
         if self.spec_inv is None or self._stop_speculating:
             return False
-        if self.max_speculative is not None and len(self._speculative) >= self.max_speculative:
-            return False
         if partial_sq is not None and self.partial_norm_cutoff and \
                 clipping_certain(partial_sq, self.loss_scale, self.clip_threshold):
             self._stop_speculating = True
@@ -335,16 +254,8 @@ class BackwardOverlap:
         b = self._shadows.get(i)
         n = io.param.numel()
         if b is None or b.p.numel() != n:
-            b = self._shadows[i] = pinned_shadows(i, n, self._pin, "shadow")
+            b = self._shadows[i] = pinned_buffers(i, n, self._pin, "shadow")
         return b
-
-    def _half_slot(self, dtype: torch.dtype) -> int:
-        if not self._halves:
-            widest = max(self._io(j).param.numel() for j in self.subgroups)
-            count = max(2, min(len(self.subgroups), HALF_RING_BYTES // max(1, widest * dtype.itemsize)))
-            self._halves = [torch.empty(0) for _ in range(count)]
-            self._half_done = [None] * count
-        return len(self._spans) % len(self._halves)
 
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._halves[k]
@@ -357,15 +268,19 @@ class BackwardOverlap:
         io = self._io(i)
         b = self._buffers(i, io)
         n = io.param.numel()
-        k = self._half_slot(io.half.dtype)
+        k = len(self._spans) % len(self._halves)
         if self._half_done[k] is not None:
             self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
-        half = self._half_buffer(k, n, io.half.dtype)
-        self._pin_team(in_backward=self._submitted is None)
+        # fp32 training keeps fp32 "half" partitions: the new params themselves (the shadow, pinned) are uploaded
+        rounded = io.half.dtype in (torch.bfloat16, torch.float16)
+        half = self._half_buffer(k, n, io.half.dtype) if rounded else b.p
         t0 = time.perf_counter()
+        # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
+        # kernel ran at 3.6-4.1 G elements/s with them, 2.9-3.3 without; gpt2-1.3b on alternate iterations of one
+        # engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without.
         cpu_kernel.adam_out_of_place(io.param, io.grad, io.exp_avg, io.exp_avg_sq, b.p, b.m, b.v,
-                                     self.scalars[i], inv_scale=inv, half_out=half, threads=threads,
-                                     nontemporal=self.nontemporal)
+                                     self.scalars[i], inv_scale=inv, half_out=half if rounded else None,
+                                     threads=threads, nontemporal=True)
         t1 = time.perf_counter()
         self._spans.append(("cpu", i, t0, t1))
         if not self.cuda:

@@ -11,7 +11,7 @@ DeepSpeed ignores top-level keys it does not know, so the same file drives plain
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,6 +21,13 @@ from ..errors import ConfigError
 SECTION = "dostune"
 SCHEDULE_VERSION = 1
 CPU, GPU = "cpu", "gpu"
+# Keys of earlier versions whose features lost their measurements and were deleted; a config that still has one
+# is refused with this reason rather than as an unknown key.
+REMOVED_KEYS = {
+    "prefetch_states": "streaming the GPU lane's states in during backward saved 15 ms of step but slowed backward "
+                       "by 90 ms on gpt2-1.3b",
+    "backward_gpu_subgroups": "the GPU lane during backward emptied the step but slowed backward by more",
+}
 
 
 class ScheduleConfig(BaseModel):
@@ -43,11 +50,6 @@ class ScheduleConfig(BaseModel):
         "GPU, or convert on the CPU and upload half precision"))
     grads_on_gpu: bool = Field(True, description=(
         "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them"))
-    prefetch_states: bool = Field(False, description=(
-        "during backward, stream the first GPU-lane subgroups' fp32 params and Adam states (which backward "
-        "does not change) into their staging slots, as soon as the memory that backward frees has room. "
-        "Off by default: on the H100 with gpt2-1.3b it saved 15 ms of step but slowed backward by 90 ms "
-        "(its H2D copies compete with DeepSpeed's own gradient traffic); with gpt2-2.7b backward did not slow"))
     overlap_backward: bool = Field(False, description=(
         "update CPU-lane subgroups during backward, each as soon as its gradients are final (the last layers "
         "first), into shadow buffers that the step commits once the global gradient norm shows no clipping and "
@@ -55,13 +57,6 @@ class ScheduleConfig(BaseModel):
     backward_cpu_threads: Optional[int] = Field(None, ge=1, description=(
         "CPU Adam threads while backward still runs (default: one fewer than cpu_threads, leaving a core to "
         "backward's own host work)"))
-    backward_gpu_subgroups: int = Field(0, ge=0, description=(
-        "with overlap_backward: how many GPU-lane subgroups, those whose gradients are final first, are updated "
-        "during backward instead of after it. Their fp32 states stream into staging slots as backward frees "
-        "memory, the fused Adam runs as soon as their gradients are final, and the results stream back into host "
-        "shadow buffers that the step commits or recomputes like the CPU lane's. Costs 12 bytes of host memory per "
-        "parameter of those subgroups; needs grads_on_gpu. 0 by default and not searched by dostune tune: on the H100 "
-        "with gpt2-1.3b it emptied the step but slowed backward by more (results/h100/overlap-gpu-lane-gpt2-1.3b)"))
     resident_subgroups: int = Field(0, ge=0, description=(
         "how many GPU-lane subgroups (the first ones) keep their fp32 params and Adam states on the GPU between "
         "steps: their update streams nothing over PCIe. Costs 12 bytes of GPU memory per parameter of those "
@@ -78,23 +73,19 @@ class ScheduleConfig(BaseModel):
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_keys(cls, data):
+        if isinstance(data, dict):
+            for key, why in REMOVED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"'{key}' was removed from dostune ({why}): delete it from the dostune section")
+        return data
+
     @model_validator(mode="after")
-    def _backward_gpu_lane_needs(self) -> "ScheduleConfig":
-        if self.resident_subgroups:
-            if not self.grads_on_gpu:
-                raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
-            if self.backward_gpu_subgroups:
-                raise ValueError("resident_subgroups and backward_gpu_subgroups cannot be combined")
-        if self.adaptive_swing and self.backward_gpu_subgroups:
-            raise ValueError("adaptive_swing and backward_gpu_subgroups cannot be combined")
-        if self.backward_gpu_subgroups:
-            if not self.overlap_backward:
-                raise ValueError("backward_gpu_subgroups needs overlap_backward true")
-            if not self.grads_on_gpu:
-                raise ValueError("backward_gpu_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
-            if self.prefetch_states:
-                raise ValueError("backward_gpu_subgroups already streams states in during backward: "
-                                 "set prefetch_states false")
+    def _resident_needs_kept_gradients(self) -> "ScheduleConfig":
+        if self.resident_subgroups and not self.grads_on_gpu:
+            raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
         return self
 
     @classmethod
@@ -114,8 +105,22 @@ class ScheduleConfig(BaseModel):
             raise ConfigError(f"invalid DeepSpeed config: {problems}") from None
 
 
+_EPS = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
+
+
+def gpu_count(num_subgroups: int, gpu_fraction: float) -> int:
+    """How many subgroups ``gpu_fraction`` puts on the GPU lane: floor(n f)."""
+    return math.floor(num_subgroups * gpu_fraction + _EPS)
+
+
+def gpu_fraction_for(count: int, num_subgroups: int) -> float:
+    """The ``gpu_fraction`` that puts exactly ``count`` of ``num_subgroups`` subgroups on the GPU lane: the one
+    conversion from a subgroup count (what the tuner searches) to the config's form (gpu_count's inverse)."""
+    return min(1.0, count / num_subgroups) if num_subgroups else 0.0
+
+
 def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spread") -> list[str]:
-    """Lane of each subgroup; floor(n*f) of them go to the GPU.
+    """Lane of each subgroup; gpu_count(n, f) = floor(n*f) of them go to the GPU.
 
     ``spread``: subgroup i goes to the GPU when floor((i+1)*f) > floor(i*f); with f = 1/k that is every
     k-th subgroup, the last of each run of k, as in the Deep Optimizer States paper. ``first`` / ``last``:
@@ -125,16 +130,14 @@ def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spre
         raise ValueError("num_subgroups must be >= 0")
     if not 0.0 <= gpu_fraction <= 1.0:
         raise ValueError(f"gpu_fraction must be in [0, 1], got {gpu_fraction}")
-    eps = 1e-9  # so that f = 1/3 gives exactly every 3rd subgroup despite rounding
-    count = math.floor(num_subgroups * gpu_fraction + eps)
+    count = gpu_count(num_subgroups, gpu_fraction)
     if placement == "first":
         return [GPU if i < count else CPU for i in range(num_subgroups)]
     if placement == "last":
         return [GPU if i >= num_subgroups - count else CPU for i in range(num_subgroups)]
     if placement != "spread":
         raise ValueError(f"placement must be first, spread or last, got {placement!r}")
-    return [GPU if math.floor((i + 1) * gpu_fraction + eps) > math.floor(i * gpu_fraction + eps) else CPU
-            for i in range(num_subgroups)]
+    return [GPU if gpu_count(i + 1, gpu_fraction) > gpu_count(i, gpu_fraction) else CPU for i in range(num_subgroups)]
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,9 @@ class Plan:
     cpu_order: list[int]
     gpu_slots: list[GpuSlot]  # the GPU-lane subgroups whose states stream through staging slots
     resident: tuple[int, ...] = ()  # the GPU-lane subgroups whose states stay on the GPU
+    # The streamed GPU-lane subgroups adaptive_swing may move to the CPU lane, in the order it does (the same for
+    # every swing of one schedule, so not part of a plan's identity).
+    swing_candidates: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def gpu_subgroups(self) -> list[int]:
@@ -166,37 +172,34 @@ class Plan:
         return [s for s in self.gpu_slots if s.waits_for is None]
 
 
-def backward_gpu_order(plan: Plan, sched: ScheduleConfig) -> list[int]:
-    """The GPU-lane subgroups updated during backward, in the order their gradients become final: backward
-    runs from the last layer to the first and subgroups follow parameter order, so the highest index first."""
-    if not sched.overlap_backward:
-        return []
-    return sorted(plan.gpu_subgroups, reverse=True)[:sched.backward_gpu_subgroups]
+def updates_in_backward(plan: Plan, sched: ScheduleConfig) -> bool:
+    """Whether the CPU lane runs during backward (overlap_backward, with any subgroup it may update)."""
+    return sched.overlap_backward and bool(plan.cpu_order or plan.swing_candidates)
 
 
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
-    """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does: the streamed ones
-    (resident subgroups keep their states on the GPU), highest index first."""
-    if not sched.adaptive_swing:
-        return []
-    return sorted((s.subgroup for s in make_plan(num_subgroups, sched).gpu_slots), reverse=True)[:sched.adaptive_swing]
+    """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does."""
+    return list(make_plan(num_subgroups, sched).swing_candidates)
 
 
 def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0) -> Plan:
     """The lanes, CPU-lane order and GPU-lane staging chain; ``swing`` of the GPU lane's streamed subgroups
-    (see swing_candidates) go to the CPU lane instead."""
+    (its ``swing_candidates``) go to the CPU lane instead."""
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
-    if swing:
-        for i in swing_candidates(num_subgroups, sched)[:swing]:
-            lanes[i] = CPU
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     if sched.resident_subgroups > len(gpu):
         raise ConfigError(f"resident_subgroups is {sched.resident_subgroups} but the GPU lane has only {len(gpu)} "
                           f"subgroups (gpu_fraction {sched.gpu_fraction} of {num_subgroups})",
                           hint="lower resident_subgroups or raise gpu_fraction")
+    # adaptive_swing moves the streamed ones (resident subgroups keep their states on the GPU), highest index first:
+    # their gradients are final first, nearest the CPU lane's
+    candidates = tuple(sorted(gpu[sched.resident_subgroups:], reverse=True)[:sched.adaptive_swing])
+    for i in candidates[:swing]:
+        lanes[i] = CPU
+    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     resident, streamed = tuple(gpu[:sched.resident_subgroups]), gpu[sched.resident_subgroups:]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
              for k, sg in enumerate(streamed)]
     return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots,
-                resident=resident)
+                resident=resident, swing_candidates=candidates)

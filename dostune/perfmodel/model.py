@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..optim.schedule import GPU, ScheduleConfig, assign_lanes, swing_candidates
-from .inputs import Cost, ModelInputs, NodeInputs
+from ..optim.footprint import GRAD_BYTES, STATE_BYTES, gpu_step_bytes, pinned_host_bytes, resident_bytes
+from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fraction_for, make_plan
+from .inputs import ModelInputs, NodeInputs
 
 GiB = 2**30
-STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
-GRAD_BYTES = 4
 # overlap_backward: how much slower a CPU-lane subgroup's update (out-of-place kernel, half precision fused)
 # runs while backward runs than unscale + CPU Adam + CPU conversion in the step, at the same thread count.
 # Fitted to the H100 traces results/h100/halfgrads-gpt2-1.3b/tuned-clip0-*.json, since the kernel reads the bf16
@@ -136,19 +135,14 @@ def cpu_lane_seconds(size: int, inp: NodeInputs, threads: int, upload: str) -> f
 
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
                   iterations: int = 4, backward_s: Optional[float] = None,
-                  ready_fraction: Optional[Sequence[float]] = None, slots_free_at: float = 0.0) -> StepPrediction:
-    """``backward_s``: how long backward runs (None: unknown; a prefetch then counts it as long enough). With
-    ``prefetch_states``, the first ``staging_buffers`` GPU-lane subgroups' fp32 params and Adam states stream
-    in during that window, so the step's H2D for them carries at most the gradients.
+                  ready_fraction: Optional[Sequence[float]] = None, plan: Optional[Plan] = None) -> StepPrediction:
+    """The step of ``sched`` over subgroups of ``sizes``, run as the optimizer runs ``plan`` (its lanes, order and
+    staging chain; ``make_plan``'s by default).
 
-    With ``overlap_backward`` and both the backward time and ``ready_fraction`` (how far into backward each
-    subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
-    (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower),
-    produces half precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step.
-    The first ``backward_gpu_subgroups`` GPU-lane subgroups in backward order (highest index first) then run
-    during backward too: their states stream in once the staging slots fit (``slots_free_at``: the fraction of
-    backward after which backward has freed enough memory for them), the kernel starts when their gradients are
-    final, and the write-back follows; the rest of the GPU lane runs in the step.
+    With ``overlap_backward`` and both the backward time ``backward_s`` and ``ready_fraction`` (how far into
+    backward each subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
+    (times before 0 are during backward, where CPU work runs ``BACKWARD_CPU_SLOWDOWN`` times slower), produces half
+    precision itself and uploads 2 bytes per element; only what is left at 0 adds to the step.
 
     Time 0 is where DeepSpeed's step prologue ends (``STEP_PROLOGUE_SHARE`` of ``overhead_s``); the states of the
     GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it, and the
@@ -159,48 +153,37 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     threads = sched.cpu_threads or inp.default_threads
     if threads not in inp.cpu_adam:
         threads = min(inp.cpu_adam, key=lambda t: abs(t - threads))
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
-    cpu = [i for i, lane in enumerate(lanes) if lane != GPU]
+    plan = plan or make_plan(len(sizes), sched)
+    cpu = list(plan.cpu_order)
     nbuf = sched.staging_buffers
     in_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
     up_bytes = 4 if sched.upload == "gpu_convert" else 2
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
     bwd = backward_s if overlap else 0.0
-    bwd_gpu = sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups] if overlap else []
-    resident = gpu[:sched.resident_subgroups]
-    prologue = STEP_PROLOGUE_SHARE * overhead_s if not bwd_gpu else 0.0
-    release = min(STEP_RELEASE_SHARE, STEP_PROLOGUE_SHARE) * overhead_s if not bwd_gpu else 0.0
+    prologue = STEP_PROLOGUE_SHARE * overhead_s
+    release = min(STEP_RELEASE_SHARE, STEP_PROLOGUE_SHARE) * overhead_s
 
     # GPU lane: independent of the CPU lane except through the copy engines' queues.
     spans: list[SimSpan] = []
-    h2d_free = comp_free = d2h_free = -bwd if bwd_gpu else -release
-    for i in resident:  # nothing to copy: their kernels go first
+    comp_free = d2h_free = -release
+    for i in plan.resident:  # nothing to copy: their kernels go first
         t = inp.gpu_adam.t(sizes[i])
         spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
         comp_free += t
-    if not bwd_gpu:
-        h2d_free = -prologue
+    h2d_free = -prologue
     d2h_end: list[float] = []
-    window = float("inf") if backward_s is None else backward_s
-    streamed = [j for j in gpu if j not in resident]
-    for k, i in enumerate(bwd_gpu + [j for j in streamed if j not in bwd_gpu]):
+    streamed = [gs.subgroup for gs in plan.gpu_slots]
+    for k, i in enumerate(streamed):
         s = sizes[i]
-        during = i in bwd_gpu
-        ready = d2h_end[k - nbuf] if k >= nbuf else (bwd * (slots_free_at - 1.0) if during else -prologue)
-        start = max(h2d_free, ready, -bwd if during else -prologue)
+        ready = d2h_end[k - nbuf] if k >= nbuf else -prologue
+        start = max(h2d_free, ready, -prologue)
         rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
-        copy = rate.t(in_bytes * s)
-        if sched.prefetch_states and k < nbuf:  # states already (partly) in from backward's idle H2D
-            hidden = min(inp.h2d.t(STATE_BYTES * s), window)
-            window -= hidden
-            copy = max(copy - hidden, rate.t((in_bytes - STATE_BYTES) * s) if in_bytes > STATE_BYTES else 0.0)
-        end = start + copy
+        end = start + rate.t(in_bytes * s)
         if end > start:
             spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
         h2d_free = end
-        c0 = max(end, comp_free, bwd * (ready_fraction[i] - 1.0) if during else -release)
+        c0 = max(end, comp_free, -release)
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
@@ -278,31 +261,6 @@ def ds_step_overhead(m: ModelInputs, ds_sizes: Sequence[int], inp: NodeInputs) -
     return max(0.0, m.ds_step_s - ds_offload_step_lanes(ds_sizes, inp))
 
 
-def staging_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
-    """GPU memory the interleaved update holds during the step: the staging slots, the CPU lane's upload
-    buffer and the gradients kept on the GPU for GPU-lane subgroups."""
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    gpu = [s for s, lane in zip(sizes, lanes) if lane == GPU]
-    cpu = [s for s, lane in zip(sizes, lanes) if lane != GPU]
-    streamed = gpu[sched.resident_subgroups:]
-    slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
-    slots = min(sched.staging_buffers, len(streamed)) * max(streamed, default=0) * slot_bytes
-    up = max(cpu, default=0) * 4 if sched.upload == "gpu_convert" else 0
-    kept = sum(gpu) * GRAD_BYTES if sched.grads_on_gpu else 0
-    return slots + up + kept + resident_bytes(sizes, sched)
-
-
-def gpu_lane_sizes(sizes: Sequence[int], sched: ScheduleConfig) -> list[int]:
-    """The sizes of the GPU-lane subgroups, in lane order (the resident ones first)."""
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    return [s for s, lane in zip(sizes, lanes) if lane == GPU]
-
-
-def resident_bytes(sizes: Sequence[int], sched: ScheduleConfig) -> int:
-    """GPU memory the resident subgroups' fp32 params and Adam states hold for the whole run."""
-    return STATE_BYTES * sum(gpu_lane_sizes(sizes, sched)[:sched.resident_subgroups])
-
-
 @dataclass
 class MemoryPrediction:
     peak_gpu_gib: Optional[float]  # None without a model profile
@@ -312,14 +270,15 @@ class MemoryPrediction:
 
 
 def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
-                   grad_alloc_fraction: Optional[Sequence[float]] = None) -> MemoryPrediction:
-    """``grad_alloc_fraction[i]``: how far into backward (0..1) subgroup i's kept-gradient buffer is allocated
+                   grad_alloc_fraction: Optional[Sequence[float]] = None,
+                   plan: Optional[Plan] = None) -> MemoryPrediction:
+    """The memory of ``plan`` (``make_plan``'s by default), with the optimizer's own footprints.
+    ``grad_alloc_fraction[i]``: how far into backward (0..1) subgroup i's kept-gradient buffer is allocated
     (its first gradient). Backward's memory is taken to fall linearly from its peak at the start to its
     minimum at the end (as the measured timeline shows); the buffers add to it from their allocation on."""
-    lanes = assign_lanes(len(sizes), sched.gpu_fraction, sched.gpu_placement)
-    gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
-    cpu = [i for i, lane in enumerate(lanes) if lane != GPU]
-    extra_step = staging_bytes(sizes, sched) / GiB
+    plan = plan or make_plan(len(sizes), sched)
+    gpu = plan.gpu_subgroups
+    extra_step = gpu_step_bytes(sizes, plan, sched) / GiB
     extra_bwd = 0.0
     if sched.grads_on_gpu and gpu and m.peak_bwd_gib is not None:
         fr = grad_alloc_fraction or [0.0] * len(sizes)  # unknown: assume allocated at backward's start
@@ -328,24 +287,14 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
             (m.peak_bwd_gib - base * phi) + sum(sizes[i] * GRAD_BYTES for i in gpu if fr[i] <= phi) / GiB
             - m.peak_bwd_gib for phi in sorted({0.0, *(fr[i] for i in gpu)}))
         extra_bwd = max(0.0, extra_bwd)
-    resident = resident_bytes(sizes, sched) / GiB  # in every phase (and already in extra_step)
+    resident = resident_bytes(sizes, plan) / GiB  # in every phase (and already in extra_step)
     peak = None
     if m.offload_peak_gib is not None:
         step_base = m.peak_step_gib or 0.0
         peak = max((m.peak_fwd_gib or 0.0) + resident, (m.peak_bwd_gib or 0.0) + extra_bwd + resident,
                    step_base + extra_step)
-    total = sum(sizes)
-    pinned = (STATE_BYTES + GRAD_BYTES + GRAD_BYTES) * total  # + DeepSpeed's pinned partition buffer
-    if (sched.upload == "cpu_convert" or sched.overlap_backward) and cpu:
-        pinned += 2 * 2 * max(sizes[i] for i in cpu)
-    if sched.overlap_backward:  # the shadow fp32 params and Adam states of every CPU-lane subgroup
-        pinned += STATE_BYTES * sum(sizes[i] for i in cpu)
-        # and of the GPU-lane subgroups updated during backward
-        pinned += STATE_BYTES * sum(sizes[i] for i in sorted(gpu, reverse=True)[:sched.backward_gpu_subgroups])
-        # and of the GPU-lane subgroups adaptive_swing may move to the CPU lane (allocated at start-up)
-        pinned += STATE_BYTES * sum(sizes[i] for i in swing_candidates(len(sizes), sched))
     return MemoryPrediction(peak_gpu_gib=peak, extra_step_gib=extra_step, extra_bwd_gib=extra_bwd,
-                            pinned_host_gib=pinned / GiB)
+                            pinned_host_gib=pinned_host_bytes(sizes, plan, sched) / GiB)
 
 
 def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: bool = True,
@@ -431,6 +380,7 @@ def grad_alloc_fractions(sizes: Sequence[int], profile_sizes: Sequence[int],
 @dataclass
 class Prediction:
     schedule: ScheduleConfig
+    plan: Plan  # the optimizer's plan of the schedule, which the prediction simulates
     sub_group_size: int
     sizes: list[int]
     step: StepPrediction
@@ -457,24 +407,13 @@ class Prediction:
         return sum(self.sizes) / self.step_s / 1e9
 
 
-def slots_free_fraction(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs) -> float:
-    """How far into backward (0..1) it has freed enough memory for the GPU lane's staging slots: backward's memory
-    is taken to fall linearly from its peak to the step's level (as in ``predict_memory``). 0 when unknown."""
-    gpu = gpu_lane_sizes(sizes, sched)
-    if not gpu or m.peak_bwd_gib is None or m.peak_step_gib is None:
-        return 0.0
-    freed = m.peak_bwd_gib - m.peak_step_gib
-    need = min(sched.staging_buffers, len(gpu)) * max(gpu) * STATE_BYTES / GiB
-    return 1.0 if freed <= 0 else min(1.0, need / freed)
-
-
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, node: NodeInputs, m: ModelInputs,
             overhead_s: float, grad_alloc: Optional[Sequence[float]] = None,
             grad_ready: Optional[Sequence[float]] = None) -> Prediction:
-    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready,
-                         slots_free_at=slots_free_fraction(sizes, sched, m) if sched.backward_gpu_subgroups else 0.0)
-    return Prediction(schedule=sched, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
-                      memory=predict_memory(sizes, sched, m, grad_alloc), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
+    plan = make_plan(len(sizes), sched)
+    step = simulate_step(sizes, sched, node, overhead_s, backward_s=m.bwd_s, ready_fraction=grad_ready, plan=plan)
+    return Prediction(schedule=sched, plan=plan, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
+                      memory=predict_memory(sizes, sched, m, grad_alloc, plan), fwd_s=m.fwd_s, bwd_s=m.bwd_s)
 
 
 def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "first") -> int:
@@ -484,7 +423,7 @@ def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "fi
     n = len(sizes)
 
     def elem_share(k: int) -> float:
-        lanes = assign_lanes(n, k / n if n else 0.0, placement)
+        lanes = assign_lanes(n, gpu_fraction_for(k, n), placement)
         return sum(s for s, lane in zip(sizes, lanes) if lane == GPU) / total
 
     return min(range(n + 1), key=lambda k: abs(elem_share(k) - share))

@@ -44,6 +44,15 @@ def _ram_gib() -> float:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
 
 
+def _available_gib() -> Optional[float]:
+    try:
+        import psutil
+
+        return round(psutil.virtual_memory().available / 2**30, 1)
+    except ImportError:
+        return None
+
+
 def _physical_cores() -> Optional[int]:
     try:
         import psutil
@@ -74,6 +83,8 @@ def host_info() -> HostInfo:
         torch=torch.__version__,
         deepspeed=deepspeed_version(),
         cuda_runtime=torch.version.cuda,
+        available_gib=_available_gib(),
+        gpus=torch.cuda.device_count() if cuda_available() else 0,
     )
 
 
@@ -142,6 +153,51 @@ def gpu_info(device_index: int = 0) -> Optional[GpuInfo]:
     return GpuInfo(index=device_index, name=props.name, memory_gib=round(props.total_memory / 2**30, 2),
                    compute_capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
                    driver=driver, pcie=pcie)
+
+
+# NVML's nvmlGpuTopologyLevel_t, by the names perfmodel/world.py TOPOLOGY_LEVELS gives them
+_TOPOLOGY_NAMES = {"NVML_TOPOLOGY_INTERNAL": "same_board", "NVML_TOPOLOGY_SINGLE": "switch",
+                   "NVML_TOPOLOGY_MULTIPLE": "switches", "NVML_TOPOLOGY_HOSTBRIDGE": "host_bridge",
+                   "NVML_TOPOLOGY_NODE": "numa_node", "NVML_TOPOLOGY_SYSTEM": "system"}
+
+
+def _numa_node(nv, handle) -> Optional[int]:
+    """The host NUMA node a GPU hangs off: NVML's answer, else the kernel's for its PCI device."""
+    with contextlib.suppress(nv.NVMLError, AttributeError):
+        return int(nv.nvmlDeviceGetNumaNodeId(handle))
+    with contextlib.suppress(nv.NVMLError, OSError, ValueError, AttributeError):
+        bus = nv.nvmlDeviceGetPciInfo(handle).busId
+        bus = (bus.decode() if isinstance(bus, bytes) else bus).lower()
+        node = int(Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node").read_text())
+        return node if node >= 0 else None
+    return None
+
+
+def gpu_topology(devices: list[int], nv=None) -> tuple[list[Optional[int]], list[list[Optional[str]]]]:
+    """For each GPU its host NUMA node, and for each pair their nearest common ancestor in the PCIe tree ("self" on
+    the diagonal; None where NVML cannot say, or on a machine without NVML). ``nv``: an initialised pynvml (tests
+    pass a stand-in); None: open NVML here."""
+    if nv is None:
+        with nvml() as opened:
+            if opened is None:
+                n = len(devices)
+                return [None] * n, [["self" if i == j else None for j in range(n)] for i in range(n)]
+            return gpu_topology(devices, opened)
+    names = {getattr(nv, k): v for k, v in _TOPOLOGY_NAMES.items() if hasattr(nv, k)}
+    handles = [nvml_handle(nv, d) for d in devices]
+    matrix: list[list[Optional[str]]] = []
+    for i, a in enumerate(handles):
+        row: list[Optional[str]] = []
+        for j, b in enumerate(handles):
+            level = None
+            if i == j:
+                level = "self"
+            else:
+                with contextlib.suppress(nv.NVMLError):
+                    level = names.get(nv.nvmlDeviceGetTopologyCommonAncestor(a, b))
+            row.append(level)
+        matrix.append(row)
+    return [_numa_node(nv, h) for h in handles], matrix
 
 
 def no_gpu_reason() -> str:

@@ -10,7 +10,7 @@ import datetime as _dt
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,12 +18,16 @@ import torch
 from .._version import __version__
 from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
+from ..host_memory import fit_host_memory
 from ..invocation import invocation
 from ..models.registry import loss_of, resolve_model
+from ..optim.footprint import available_host_bytes
+from ..perfmodel.subgroups import param_numels
+from ..perfmodel.world import World, gather_ranks
 from ..stats import Stat
 from . import identity
-from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile,
-                           SubgroupProfile)
+from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
+                           SubgroupProfile, WorldRecord, slowest_phases)
 from .timing import NullProgress, ProgressSink
 
 GiB = 2**30
@@ -226,8 +230,15 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     if opts.activation_checkpointing:
         notes.append("activation checkpointing on: backward includes each block's recomputed forward, and memory "
                      "holds only the blocks' inputs between forward and backward")
-    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
-                                                  extra_zero={"reduce_bucket_size": opts.reduce_bucket_size}))
+    offload = OffloadSettings(sub_group_size=opts.sub_group_size, ratio=1.0,
+                              extra_zero={"reduce_bucket_size": opts.reduce_bucket_size})
+    # ZeRO-Offload as this host's memory holds it (without pin_memory where its pinned copies would not fit: the
+    # OOM killer would end the profile otherwise); a model whose state cannot fit at all stops here, in one line
+    offload, host_note = fit_host_memory("zero-offload", offload, param_numels(spec), opts.precision,
+                                         available_host_bytes())
+    if host_note:
+        notes.append(f"ZeRO-Offload measured with {host_note}")
+    cfg = deepspeed_config(train, offload)
     progress.start(f"{opts.model}: building the ZeRO-3 offload engine", 1)
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=False)
     progress.advance()
@@ -316,6 +327,15 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                                   peak_reserved_gib=round(peaks_res[ph] if cuda else peak, 3),
                                   free_gib=round(gpu_total - peak, 3) if gpu_total else None)
     node = opts.node or (identity.gpu_info(0).name if cuda else f"cpu-{os.cpu_count()}c")
+    overhead_s = Stat.of(overheads).median
+    world, ranks = World.of_run(), []
+    if world.size > 1:  # under the launcher: every rank measured its own partition; the slowest rank sets the pace
+        ranks = [RankProfile(rank=r, phases=ph, step_overhead_s=o)
+                 for r, ph, o in gather_ranks((int(os.environ.get("RANK", "0")), phases, overhead_s))]
+        phases = slowest_phases([r.phases for r in ranks])
+        overhead_s = max(r.step_overhead_s for r in ranks)
+        notes.append(f"measured under the launcher on {world.describe()}: each phase is the slowest rank's, memory the "
+                     "highest of any rank; subgroups and gradient readiness are rank 0's partition")
     return ModelProfile(
         schema_version=MODEL_SCHEMA_VERSION,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -323,12 +343,16 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         gpu_total_gib=round(gpu_total, 3) if gpu_total else None, model=opts.model, architecture=spec.config,
         params=spec.num_params or numel, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
         sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,
-        optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=Stat.of(overheads).median, backward_s=backward_s, memory_timeline=rec.samples,
+        optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
+        world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, notes=notes)
 
 
-def default_model_profile_name(node: str, p: ModelProfile) -> str:
-    return f"{node}-{p.model}-b{p.micro_batch}-s{p.seq}.json"
+def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:
+    """The file name `dostune tune` looks for beside the node profile: NODE-MODEL-bB-sS.json for one rank,
+    NODE-MODEL-bB-sS-MxN.json for M nodes of N GPUs."""
+    suffix = f"-{world.nodes}x{world.gpus_per_node}" if world.size > 1 else ""
+    return f"{node}-{model}-b{micro_batch}-s{seq}{suffix}.json"
 
 
 def plot_memory_timeline(p: ModelProfile, path) -> "os.PathLike":

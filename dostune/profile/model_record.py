@@ -15,7 +15,9 @@ from ..errors import ProfileError
 from ..stats import Stat
 from .record import _format_validation_error, check_version, read_json_record
 
-MODEL_SCHEMA_VERSION = 1
+# 2: world and ranks (a profile measured under DeepSpeed's launcher). Version 1 profiles still load (one rank).
+MODEL_SCHEMA_VERSION = 2
+MODEL_READABLE_VERSIONS = (1, 2)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -57,6 +59,21 @@ class PcieTraffic(_Record):
     samples: int
 
 
+class WorldRecord(_Record):
+    """The world a model profile was measured in: one rank per GPU."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(1, ge=1)
+
+
+class RankProfile(_Record):
+    """One rank's phases, in a profile measured under the launcher."""
+
+    rank: int
+    phases: dict[str, PhaseProfile]
+    step_overhead_s: Optional[float] = None
+
+
 class ModelProfile(_Record):
     schema_version: int
     kind: Literal["dostune.model-profile"] = MODEL_KIND
@@ -75,10 +92,14 @@ class ModelProfile(_Record):
     sub_group_size: int
     iterations: int
     subgroups: list[SubgroupProfile]
-    optimizer_state_bytes: int  # fp32 params + exp_avg + exp_avg_sq + fp32 grads held on the host
+    optimizer_state_bytes: int  # fp32 params + exp_avg + exp_avg_sq + fp32 grads held on the host (one rank's)
+    # Under the launcher: each phase as the slowest rank ran it (its time, the highest peak and the least free
+    # memory of any rank); every rank's own figures are in ``ranks``. Subgroups and grad-ready times are rank 0's.
     phases: dict[str, PhaseProfile]
     step_overhead_s: Optional[float] = None  # step time outside the per-subgroup updates (prologue, epilogue, engine)
     backward_s: float  # the iteration whose grad-ready times are recorded
+    world: WorldRecord = Field(default_factory=WorldRecord)
+    ranks: list[RankProfile] = Field(default_factory=list)  # empty for a profile of one rank
     memory_timeline: list[MemorySample]
     pcie: Optional[dict[str, PcieTraffic]] = None
     notes: list[str] = Field(default_factory=list)
@@ -87,10 +108,29 @@ class ModelProfile(_Record):
     def num_subgroups(self) -> int:
         return len(self.subgroups)
 
+    @property
+    def world_size(self) -> int:
+        return self.world.nodes * self.world.gpus_per_node
+
+
+def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhaseProfile]:
+    """Each phase as the slowest rank ran it: that rank's time, and the highest peaks and the least free memory of
+    any rank (the ranks wait for each other in ZeRO-3's collectives; memory must fit on every GPU)."""
+    out = {}
+    for ph in per_rank[0]:
+        xs = [r[ph] for r in per_rank]
+        free = [x.free_gib for x in xs if x.free_gib is not None]
+        out[ph] = PhaseProfile(time_s=max(xs, key=lambda x: x.time_s.median).time_s,
+                               peak_allocated_gib=max(x.peak_allocated_gib for x in xs),
+                               min_allocated_gib=min(x.min_allocated_gib for x in xs),
+                               peak_reserved_gib=max(x.peak_reserved_gib for x in xs),
+                               free_gib=min(free) if free else None)
+    return out
+
 
 def load_model_profile(path) -> ModelProfile:
     data = read_json_record(path, "model profile")
-    check_version(data, path, MODEL_KIND, MODEL_SCHEMA_VERSION)
+    check_version(data, path, MODEL_KIND, MODEL_SCHEMA_VERSION, MODEL_READABLE_VERSIONS)
     try:
         return ModelProfile.model_validate(data)
     except ValidationError as e:

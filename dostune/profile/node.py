@@ -12,10 +12,11 @@ from .._version import __version__
 from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
-from .record import NODE_SCHEMA_VERSION, NodeProfile
+from .record import NODE_SCHEMA_VERSION, MultiGpuProfile, NodeProfile
 from .throughput import (default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_ds_upload,
                          measure_gpu_adam, measure_unscale)
 from .timing import NullProgress, ProgressSink
+from .together import measure_copies_together, measure_cpu_adam_concurrent
 
 MiB = 1 << 20
 M = 1_000_000
@@ -35,6 +36,9 @@ class NodeProfileOptions:
     convert_elements: list[int] = field(default_factory=lambda: [4 * M, 16 * M, 64 * M, 256 * M])
     half_dtype: str = "bf16"
     contention: bool = True
+    # how many ranks of this node to measure together (CPU Adam in that many processes, GPUs [0:N) copying at
+    # once, the contention with all of them streaming); None: the GPUs torch sees (1 without a GPU)
+    ranks_per_node: Optional[int] = None
 
     @classmethod
     def tiny(cls) -> "NodeProfileOptions":
@@ -52,6 +56,8 @@ class NodeProfileOptions:
                              ("CPU Adam sizes", self.cpu_adam_elements or [1])):
             if not sizes or any(s <= 0 for s in sizes):
                 raise DostuneError(f"{label} must be positive, got {sizes}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise DostuneError(f"--ranks-per-node must be at least 1, got {self.ranks_per_node}")
         if self.half_dtype not in ("bf16", "fp16"):
             raise DostuneError(f"--dtype must be bf16 or fp16, got {self.half_dtype!r}")
 
@@ -76,6 +82,13 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         from ..errors import DostuneError
 
         raise DostuneError(f"--device {opts.device} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+    ranks = opts.ranks_per_node or (torch.cuda.device_count() if has_gpu else 1)
+    if has_gpu and ranks > torch.cuda.device_count():
+        from ..errors import DostuneError
+
+        raise DostuneError(f"--ranks-per-node {ranks} is more than the {torch.cuda.device_count()} GPU(s) torch sees",
+                           hint="one rank per GPU: give at most that many")
+    together = list(range(ranks)) if has_gpu and ranks > 1 else []
     gpu = identity.gpu_info(opts.device) if has_gpu else None
     if not has_gpu:
         notes.append(f"GPU measurements not available: {identity.no_gpu_reason()}. "
@@ -88,6 +101,17 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
 
     copies = measure_copies(opts.copy_sizes_bytes, opts.repeats, opts.device, progress) if has_gpu else None
     cpu_adam = measure_cpu_adam(cpu_sizes, threads, opts.repeats, progress)
+    if ranks > 1:
+        # as the ranks of this node run it: one process each, the node's cores split between them
+        series = measure_cpu_adam_concurrent(cpu_sizes, ranks, max(1, cores // ranks), opts.repeats, progress)
+        cpu_adam = cpu_adam.model_copy(update={"concurrent": {ranks: series}})
+    multi_gpu = None
+    if together:
+        numa, ancestors = identity.gpu_topology(together)
+        multi_gpu = MultiGpuProfile(gpus=together, names=[torch.cuda.get_device_name(d) for d in together],
+                                    numa_node=numa, common_ancestor=ancestors,
+                                    copies=measure_copies_together(opts.copy_sizes_bytes, opts.repeats, together,
+                                                                   progress))
     gpu_adam = (measure_gpu_adam(opts.gpu_adam_elements, opts.repeats, opts.device, opts.half_dtype, progress)
                 if has_gpu else None)
     convert = measure_convert(opts.convert_elements, opts.repeats, opts.half_dtype, cpu_adam.best_threads,
@@ -98,7 +122,8 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
     contention = None
     if has_gpu and opts.contention:
         contention = measure_contention(max(cpu_sizes), cpu_adam.best_threads, opts.repeats, opts.device,
-                                        chunk_bytes=min(256 * MiB, max(opts.copy_sizes_bytes)), progress=progress)
+                                        chunk_bytes=min(256 * MiB, max(opts.copy_sizes_bytes)), progress=progress,
+                                        devices=together or None)
     return NodeProfile(
         schema_version=NODE_SCHEMA_VERSION,
         name=opts.name or default_name(gpu),
@@ -116,4 +141,5 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         unscale=unscale,
         ds_upload=ds_upload,
         contention=contention,
+        multi_gpu=multi_gpu,
     )

@@ -22,7 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import DostuneError, ProfileError
 from ..stats import Stat, linear_fit
 
-NODE_SCHEMA_VERSION = 1
+# 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
+# Version 1 profiles still load: the new fields take their defaults.
+NODE_SCHEMA_VERSION = 2
+NODE_READABLE_VERSIONS = (1, 2)
 NODE_KIND = "dostune.node-profile"
 
 
@@ -85,6 +88,8 @@ class HostInfo(_Record):
     torch: str
     deepspeed: Optional[str]
     cuda_runtime: Optional[str]
+    available_gib: Optional[float] = None  # host memory available when the profile started
+    gpus: Optional[int] = None  # CUDA devices this process saw (None in version 1 profiles)
 
 
 class PcieLink(_Record):
@@ -123,11 +128,23 @@ class CopyProfile(_Record):
     h2d_pageable: Series
 
 
+class PinnedCopies(_Record):
+    """Pinned copies only (several GPUs copying at once; pageable copies block the host one GPU at a time)."""
+
+    h2d: Series
+    d2h: Series
+    duplex_h2d: Series
+    duplex_d2h: Series
+
+
 class CpuAdamProfile(_Record):
     """DeepSpeedCPUAdam (fp32 params, grads and states) over sizes and OpenMP thread counts."""
 
     by_threads: dict[int, Series]
     best_threads: int
+    # Key: how many processes ran CPU Adam at once, each with logical cores // key threads (as that many ranks of
+    # one node do); the series holds the slowest process's time at each size.
+    concurrent: dict[int, Series] = Field(default_factory=dict)
 
 
 class ConvertProfile(_Record):
@@ -145,11 +162,24 @@ class ContentionProfile(_Record):
     threads: int
     alone_s: Stat
     with_dma_s: Stat
-    dma_gbps_during: float
+    dma_gbps_during: float  # per direction, all GPUs together
+    gpus: int = 1  # how many GPUs streamed at once
 
     @property
     def slowdown(self) -> float:
         return self.with_dma_s.median / self.alone_s.median
+
+
+class MultiGpuProfile(_Record):
+    """The node's GPUs measured together, as the ranks of one node use them under the launcher."""
+
+    gpus: list[int]  # CUDA device indices, in the launcher's order ([0:N) with --num_gpus N)
+    names: list[str]
+    numa_node: list[Optional[int]]  # the host NUMA node each GPU is attached to (None: unknown)
+    # NVML's nearest common ancestor of each pair of GPUs, one of perfmodel/world.py TOPOLOGY_LEVELS ("self" on the
+    # diagonal; null when NVML could not say): GPUs under one PCIe switch share its uplink
+    common_ancestor: list[list[Optional[str]]]
+    copies: PinnedCopies  # every GPU copying at once; each sample is the slowest GPU's time
 
 
 class NodeProfile(_Record):
@@ -170,6 +200,7 @@ class NodeProfile(_Record):
     unscale: Optional[Series] = None  # CPU grad *= 1/scale at the best CPU Adam thread count
     ds_upload: Optional[Series] = None  # DeepSpeed's blocking fp32 (pageable) -> half GPU copy, by elements
     contention: Optional[ContentionProfile]
+    multi_gpu: Optional[MultiGpuProfile] = None
 
     @property
     def has_gpu(self) -> bool:
@@ -214,14 +245,16 @@ def read_json_record(path: str | os.PathLike, what: str) -> dict:
     return data
 
 
-def check_version(data: dict, path, kind: str, version: int) -> None:
+def check_version(data: dict, path, kind: str, version: int, readable: tuple[int, ...] = ()) -> None:
+    """Refuse another kind of record or a schema version this dostune does not read (``version``, the one it
+    writes, or one of the older ``readable`` ones)."""
     found_kind = data.get("kind")
     if found_kind is not None and found_kind != kind:
         raise ProfileError(f"{path} holds a '{found_kind}', expected a '{kind}'")
     v = data.get("schema_version")
     if v is None:
         raise ProfileError(f"{path}: field 'schema_version' is missing; is this a dostune {kind} file?")
-    if v != version:
+    if v != version and v not in readable:
         older = isinstance(v, int) and v < version
         newer = isinstance(v, int) and v > version
         raise ProfileError(f"{path}: field 'schema_version' is {v!r}, this dostune reads version {version}"
@@ -233,7 +266,7 @@ def check_version(data: dict, path, kind: str, version: int) -> None:
 
 def load_node_profile(path: str | os.PathLike) -> NodeProfile:
     data = read_json_record(path, "profile")
-    check_version(data, path, NODE_KIND, NODE_SCHEMA_VERSION)
+    check_version(data, path, NODE_KIND, NODE_SCHEMA_VERSION, NODE_READABLE_VERSIONS)
     try:
         return NodeProfile.model_validate(data)
     except ValidationError as e:

@@ -54,6 +54,16 @@ def summary_rows(p: NodeProfile) -> list[Row]:
     for t, s in sorted(p.cpu_adam.by_threads.items()):
         r = _rate_row(f"CPU Adam {t} thr" + (" (best)" if t == best else ""), s, 1e9, "G elem/s")
         rows.append(r)
+    for n, s in sorted(p.cpu_adam.concurrent.items()):
+        rows.append(_rate_row(f"CPU Adam x{n} processes", s, 1e9, "G elem/s each"))
+    if p.multi_gpu is not None:
+        mg = p.multi_gpu
+        shared = sorted({lvl for row in mg.common_ancestor for lvl in row if lvl not in (None, "self")})
+        rows.append(Row(f"{len(mg.gpus)} GPUs together", ", ".join(mg.names),
+                        f"NUMA nodes {mg.numa_node}; nearest common PCIe ancestors: {', '.join(shared) or 'unknown'}"))
+        for what, s in (("H2D pinned, all GPUs", mg.copies.h2d), ("D2H pinned, all GPUs", mg.copies.d2h),
+                        ("duplex H2D, all GPUs", mg.copies.duplex_h2d), ("duplex D2H, all GPUs", mg.copies.duplex_d2h)):
+            rows.append(_rate_row(what, s, 1e9, "GB/s each"))
     if p.gpu_adam is not None:
         rows.append(_rate_row("GPU lane Adam (Triton)", p.gpu_adam, 1e9, "G elem/s"))
     rows.append(_rate_row(f"fp32->{p.convert.dtype} CPU", p.convert.cpu, 1e9, "G elem/s"))
@@ -67,5 +77,6 @@ def summary_rows(p: NodeProfile) -> list[Row]:
         k = p.contention
         rows.append(Row("CPU Adam under DMA", f"x{k.slowdown:.2f} slower",
                         f"{k.elements / 1e6:.0f}M elem, {k.threads} thr: {k.alone_s.median * 1e3:.0f} -> "
-                        f"{k.with_dma_s.median * 1e3:.0f} ms while DMA ran at {k.dma_gbps_during:.1f} GB/s per direction"))
+                        f"{k.with_dma_s.median * 1e3:.0f} ms while DMA ran at {k.dma_gbps_during:.1f} GB/s per direction"
+                        + (f" on {k.gpus} GPUs together" if k.gpus > 1 else "")))
     return rows

@@ -161,21 +161,27 @@ def measure_unscale(sizes: Sequence[int], repeats: int, threads: int,
 
 
 def measure_contention(elements: int, threads: int, repeats: int, device: int = 0,
-                       chunk_bytes: int = 256 << 20, progress: Optional[ProgressSink] = None) -> ContentionProfile:
-    """CPU Adam alone, then with both PCIe directions streaming pinned memory underneath it.
+                       chunk_bytes: int = 256 << 20, progress: Optional[ProgressSink] = None,
+                       devices: Optional[Sequence[int]] = None) -> ContentionProfile:
+    """CPU Adam alone, then with both PCIe directions streaming pinned memory underneath it, on ``device`` or on
+    every GPU of ``devices`` at once (the traffic the ranks of one node make together).
 
     DeepSpeedCPUAdam holds the GIL, so no Python thread could feed copies during its step: enough
-    copies to outlast the step are queued on two streams first, and the DMA engines run them while
+    copies to outlast the step are queued on two streams per GPU first, and the DMA engines run them while
     the CPU computes."""
     progress = progress or NullProgress()
-    progress.start("CPU Adam under concurrent PCIe traffic", 2 * repeats)
-    dev = torch.device("cuda", device)
+    devs = [torch.device("cuda", d) for d in (devices or [device])]
+    progress.start("CPU Adam under concurrent PCIe traffic" + (f" ({len(devs)} GPUs)" if len(devs) > 1 else ""),
+                   2 * repeats)
     bench = CpuAdamBench(elements)
-    host_up = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
-    host_down = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
-    dev_up = torch.empty(chunk_bytes, dtype=torch.uint8, device=dev)
-    dev_down = torch.empty(chunk_bytes, dtype=torch.uint8, device=dev)
-    up, down = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+    def buffers(dev):  # pinned source and destination, device destination and source, two streams
+        return (dev, torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True),
+                torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True),
+                torch.empty(chunk_bytes, dtype=torch.uint8, device=dev),
+                torch.empty(chunk_bytes, dtype=torch.uint8, device=dev),
+                torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev))
+
+    bufs = [buffers(dev) for dev in devs]
     try:
         with _threads(threads):
             alone = time_cpu(bench.step, repeats, progress=progress)
@@ -183,26 +189,31 @@ def measure_contention(elements: int, threads: int, repeats: int, device: int = 
             n_chunks = max(4, int(3 * alone.median * 60e9 / chunk_bytes))
             samples, rates = [], []
             for _ in range(repeats):
-                torch.cuda.synchronize(dev)
-                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start_ev.record(up)
-                for _ in range(n_chunks):
-                    with torch.cuda.stream(up):
-                        dev_up.copy_(host_up, non_blocking=True)
-                    with torch.cuda.stream(down):
-                        host_down.copy_(dev_down, non_blocking=True)
-                end_ev.record(up)
+                events = []
+                for dev, host_up, host_down, dev_up, dev_down, up, down in bufs:
+                    torch.cuda.synchronize(dev)
+                    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.device(dev):
+                        start_ev.record(up)
+                        for _ in range(n_chunks):
+                            with torch.cuda.stream(up):
+                                dev_up.copy_(host_up, non_blocking=True)
+                            with torch.cuda.stream(down):
+                                host_down.copy_(dev_down, non_blocking=True)
+                        end_ev.record(up)
+                    events.append((start_ev, end_ev))
                 time.sleep(0.002)  # let the DMA engines get going before the CPU step starts
                 t0 = time.perf_counter()
                 bench.step()
                 samples.append(time.perf_counter() - t0)
-                end_ev.synchronize()
-                torch.cuda.synchronize(dev)
-                rates.append(n_chunks * chunk_bytes / (start_ev.elapsed_time(end_ev) / 1e3) / 1e9)
+                for dev, *_ in bufs:
+                    torch.cuda.synchronize(dev)
+                # per direction, every GPU's H2D rate added up
+                rates.append(sum(n_chunks * chunk_bytes / (s.elapsed_time(e) / 1e3) / 1e9 for s, e in events))
                 progress.advance()
     finally:
         bench.close()
-        del host_up, host_down, dev_up, dev_down
+        del bufs
         torch.cuda.empty_cache()
     return ContentionProfile(elements=elements, threads=threads, alone_s=alone, with_dma_s=Stat.of(samples),
-                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2))
+                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2), gpus=len(devs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -18,9 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed() -> None:
+def ensure_distributed(timeout_s: Optional[float] = None) -> None:
     """Initialise torch.distributed through DeepSpeed. Under ``deepspeed``/``torchrun`` the launcher has set
-    RANK/WORLD_SIZE; a plain ``python`` or ``dostune`` process becomes a world of one."""
+    RANK/WORLD_SIZE; a plain ``python`` or ``dostune`` process becomes a world of one. ``timeout_s`` bounds every
+    collective (a dead or hung rank makes the others' collectives fail after it); None keeps DeepSpeed's default.
+    A process group that exists already keeps its timeout."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -31,18 +34,21 @@ def ensure_distributed() -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(verbose=False)
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(verbose=False, **kw)
 
 
-def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True):
+def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
+                 rank_timeout_s: Optional[float] = None):
     """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built) and
     wrap it in a DeepSpeed engine; with ``use_dostune`` a ``dostune`` section switches the optimizer. An
-    ``activation_checkpointing`` section makes the model checkpoint every transformer block."""
+    ``activation_checkpointing`` section makes the model checkpoint every transformer block.
+    ``rank_timeout_s``: see ensure_distributed."""
     import deepspeed
 
     from ..optim.api import initialize
 
-    ensure_distributed()
+    ensure_distributed(rank_timeout_s)
     torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = spec.build(checkpointing=activation_checkpointing(ds_config))

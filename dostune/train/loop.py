@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .._version import __version__
 from ..dsconfig import activation_checkpointing, with_activation_checkpointing
 from ..errors import ConfigError, DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
@@ -19,12 +17,19 @@ from ..optim.schedule import ScheduleConfig
 from ..deepspeed_support import check_deepspeed
 from ..profile.record import check_writable, read_json_record
 from ..tune.refit import check_fits
+from .checkpoint import load_latest, read_latest, save
 from .data import make_data
 from .engine import build_engine, free_engine_memory
+from .faults import (RankLost, StepWatchdog, StopSignals, agree_stop, default_rank_timeout, describe,
+                     is_lost_rank_error, lost_rank_message, stop_exit_code)
 
 
 class Interrupted(DostuneError):
-    exit_code = 130
+    """A stop signal ended the run after a checkpoint; exit code 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int, **kw):
+        super().__init__(message, **kw)
+        self.exit_code = stop_exit_code(signum)
 
 
 @dataclass
@@ -44,6 +49,8 @@ class TrainOptions:
     plain_deepspeed: bool = False  # ignore the dostune section
     deterministic: bool = False  # PyTorch's deterministic kernels: fewer run-to-run differences on a GPU
     activation_checkpointing: bool = False  # on even where the config has no activation_checkpointing section
+    rank_timeout: Optional[float] = None  # seconds; a lost rank stops the others after it (None: DeepSpeed's 10 min)
+    resume_command: Optional[str] = None  # the command that continues this run, quoted in stop messages
 
 
 def use_deterministic_kernels() -> None:
@@ -79,12 +86,20 @@ class TrainSummary:
     checkpoints: list[str] = field(default_factory=list)
     optimizer: str = ""
     interrupted: bool = False
+    stop_signal: int = 0  # the signal that stopped the run (0: it ran to --steps)
 
 
 def load_ds_config(path: Path) -> dict:
     cfg = read_json_record(path, "DeepSpeed config")
     ScheduleConfig.from_ds_config(cfg)  # a malformed dostune section fails here, before any work
     activation_checkpointing(cfg)  # ... and so does a malformed activation_checkpointing section
+    auto = _auto_keys(cfg)
+    if auto:
+        # DeepSpeed itself cannot read "auto": only the HF Trainer and Accelerate fill those values in
+        raise ConfigError(f"{path} leaves {', '.join(auto[:4])}{' ...' if len(auto) > 4 else ''} as \"auto\" for the "
+                          "Hugging Face Trainer or Accelerate to fill in; dostune train needs them concrete",
+                          hint="use the config `dostune tune` writes without --for (or --for deepspeed), or run it "
+                               "from the Trainer / Accelerate (docs/hf.md)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                          "gradient_accumulation_steps"))
@@ -99,53 +114,15 @@ def load_ds_config(path: Path) -> dict:
     return cfg
 
 
+def _auto_keys(cfg, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is "auto" (left for the HF Trainer or Accelerate to fill)."""
+    if isinstance(cfg, dict):
+        return [k for key, v in cfg.items() for k in _auto_keys(v, f"{prefix}{key}.")]
+    return [prefix[:-1]] if cfg == "auto" else []
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-class _StopFlag:
-    """Ctrl-C asks the loop to stop after the current step, so the checkpoint it saves is consistent."""
-
-    def __init__(self):
-        self.set = False
-        self._prev = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.set:  # a second Ctrl-C: stop now
-                raise KeyboardInterrupt
-            self.set = True
-
-        try:
-            self._prev = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not in the main thread
-            self._prev = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
-
-
-def _save(engine, save_dir: Path, step: int, seed: int) -> str:
-    tag = f"step{step}"
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step, "seed": seed,
-                                                                  "dostune_version": __version__})
-    return str(save_dir / tag)
-
-
-def _resume(engine, save_dir: Path) -> int:
-    if not save_dir.exists() or not (save_dir / "latest").exists():
-        raise DostuneError(f"--resume: no checkpoint in {save_dir} (DeepSpeed writes a 'latest' file there)")
-    tag = (save_dir / "latest").read_text().strip()
-    try:
-        path, client = engine.load_checkpoint(str(save_dir), load_optimizer_states=True, load_lr_scheduler_states=True)
-    except Exception as e:  # torch/DeepSpeed raise many kinds for truncated or foreign files
-        raise DostuneError(f"--resume: checkpoint {save_dir / tag} could not be loaded ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}); it was left as it is") from None
-    if path is None or not client or "step" not in client:
-        raise DostuneError(f"--resume: {save_dir / tag} is not a dostune checkpoint (no step recorded)")
-    return int(client["step"])
 
 
 def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
@@ -155,11 +132,6 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
         raise DostuneError("--resume needs --save-dir (where the checkpoints are)")
-    if not opts.resume and opts.save_dir is not None and (Path(opts.save_dir) / "latest").exists():
-        # A fresh run would overwrite the step tags of an earlier one and mix their histories.
-        latest = (Path(opts.save_dir) / "latest").read_text().strip()
-        raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as they are",
-                           hint="pass --resume to continue that run, or choose another --save-dir")
     cfg = load_ds_config(Path(opts.config))
     spec = resolve_model(opts.model)
     if spec.max_seq is not None and opts.seq > spec.max_seq:
@@ -167,10 +139,15 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
     check_deepspeed("dostune train")
     if opts.save_dir is not None:
         check_writable(opts.save_dir, "--save-dir", directory=True)
+        latest = read_latest(Path(opts.save_dir))
+        if not opts.resume and latest is not None:
+            # A fresh run would overwrite the step tags of an earlier one and mix their histories.
+            raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as "
+                               "they are", hint="pass --resume to continue that run, or choose another --save-dir")
     if opts.metrics is not None:
         check_writable(opts.metrics, "--metrics")
     if not opts.plain_deepspeed:
-        check_fits(cfg, spec, str(opts.config), int(os.environ.get("WORLD_SIZE", "1")))
+        check_fits(cfg, spec, str(opts.config))  # and the world it was tuned for, against the launcher's
     return cfg, spec
 
 
@@ -183,57 +160,55 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
         cfg = {k: v for k, v in cfg.items() if k != "dostune"}
     if opts.activation_checkpointing:
         cfg = with_activation_checkpointing(cfg)
-    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=True)
+    # From before the build on: a signal while the engine is built stops the run before its first step.
+    with StopSignals() as stop:
+        engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=True, rank_timeout_s=opts.rank_timeout)
+        try:
+            return _run(engine, opts, data, stop, on_step)
+        finally:
+            engine.destroy()
+            del engine
+            free_engine_memory()
+
+
+def _run(engine, opts: TrainOptions, data, stop: StopSignals, on_step) -> TrainSummary:
     summary = TrainSummary(steps_run=0, first_step=0, last_step=0, optimizer=type(engine.optimizer).__name__)
+    save_dir = Path(opts.save_dir) if opts.save_dir is not None else None
+    start = load_latest(engine, save_dir) if opts.resume else 0
+    if start >= opts.steps:
+        raise DostuneError(f"the checkpoint is already at step {start}, not before --steps {opts.steps}")
+    summary.first_step = summary.last_step = start
+    rank, world = _rank(), int(os.environ.get("WORLD_SIZE", "1"))
     metrics_f = None
+    if opts.metrics is not None:
+        # Every rank logs its own step times (and its own micro-batch's loss); rank 0 keeps the plain name.
+        path = Path(opts.metrics)
+        if rank:
+            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metrics_f = open(path, "a" if opts.resume else "w")  # a resumed run continues its file
+
+    def lost(what: str) -> str:
+        return lost_rank_message(rank, what, read_latest(save_dir) if save_dir else None, opts.resume_command)
+
+    watchdog = StepWatchdog(opts.rank_timeout or default_rank_timeout(), lost, enabled=world > 1)
+    saved = start if opts.resume else None
+
+    def checkpoint(step: int) -> None:
+        nonlocal saved
+        with watchdog.pause():
+            summary.checkpoints.append(save(engine, save_dir, step, opts.seed))
+        saved = step
+
     try:
-        start = _resume(engine, Path(opts.save_dir)) if opts.resume else 0
-        if start >= opts.steps:
-            raise DostuneError(f"the checkpoint is already at step {start}, not before --steps {opts.steps}")
-        summary.first_step = start
-        rank = _rank()
-        if opts.metrics is not None:
-            # Every rank logs its own step times (and its own micro-batch's loss); rank 0 keeps the plain name.
-            path = Path(opts.metrics)
-            if rank:
-                path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            metrics_f = open(path, "a" if opts.resume else "w")  # a resumed run continues its file
-        gas = engine.gradient_accumulation_steps()
-        mb = engine.train_micro_batch_size_per_gpu()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        cuda = torch.cuda.is_available()
-
-        def sync():
-            if cuda:
-                torch.cuda.synchronize()
-
-        with _StopFlag() as stop:
+        with watchdog:
             for step in range(start, opts.steps):
-                f = b = s = 0.0
-                losses = []
-                t_it = time.perf_counter()
-                for micro in range(gas):
-                    batch = data.batch(step * gas + micro, mb, opts.seq, engine.device, rank)
-                    sync()
-                    t0 = time.perf_counter()
-                    loss = loss_of(engine(**batch))
-                    sync()
-                    t1 = time.perf_counter()
-                    engine.backward(loss)
-                    sync()
-                    t2 = time.perf_counter()
-                    engine.step()
-                    sync()
-                    t3 = time.perf_counter()
-                    f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
-                    losses.append(float(loss.detach().float()))
-                it = time.perf_counter() - t_it
-                norm = engine.get_global_grad_norm()
-                rec = StepRecord(step=step + 1, loss=sum(losses) / len(losses), lr=float(engine.get_lr()[0]),
-                                 iter_s=it, fwd_s=f, bwd_s=b, step_s=s, tokens_per_s=mb * gas * opts.seq * world / it,
-                                 gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                                 grad_norm=float(norm) if norm is not None else None)
+                # All ranks stop before the same step, whenever the signal reached each of them.
+                summary.stop_signal = agree_stop(stop, engine.device)
+                watchdog.beat()  # the step's last collective is behind: from here a hang is the next step's
+                if summary.stop_signal:
+                    break
+                rec = _one_step(engine, data, step, opts.seq, rank, world)
                 summary.losses.append(rec.loss)
                 summary.steps_run += 1
                 summary.last_step = step + 1
@@ -242,19 +217,52 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
                     metrics_f.flush()
                 if on_step is not None:
                     on_step(rec)
-                due = opts.save_every and (step + 1) % opts.save_every == 0
-                if opts.save_dir is not None and (due or stop.set):
-                    summary.checkpoints.append(_save(engine, Path(opts.save_dir), step + 1, opts.seed))
-                if stop.set:
-                    summary.interrupted = True
-                    break
-        if opts.save_dir is not None and not summary.interrupted and (
-                not summary.checkpoints or not summary.checkpoints[-1].endswith(f"step{summary.last_step}")):
-            summary.checkpoints.append(_save(engine, Path(opts.save_dir), summary.last_step, opts.seed))
+                if save_dir is not None and opts.save_every and (step + 1) % opts.save_every == 0:
+                    checkpoint(step + 1)
+            if save_dir is not None and saved != summary.last_step and summary.steps_run:
+                checkpoint(summary.last_step)
+    except Exception as e:
+        if world > 1 and is_lost_rank_error(e):
+            raise RankLost(lost(f"a collective failed after step {summary.last_step} ({describe(e, 160)})")) from None
+        raise
     finally:
         if metrics_f is not None:
             metrics_f.close()
-        engine.destroy()
-        del engine
-        free_engine_memory()
+    summary.interrupted = bool(summary.stop_signal)
     return summary
+
+
+def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepRecord:
+    """One optimizer step (with the config's gradient accumulation), timed."""
+    gas = engine.gradient_accumulation_steps()
+    mb = engine.train_micro_batch_size_per_gpu()
+    cuda = torch.cuda.is_available()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    f = b = s = 0.0
+    losses = []
+    t_it = time.perf_counter()
+    for micro in range(gas):
+        batch = data.batch(step * gas + micro, mb, seq, engine.device, rank)
+        sync()
+        t0 = time.perf_counter()
+        loss = loss_of(engine(**batch))
+        sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        engine.step()
+        sync()
+        t3 = time.perf_counter()
+        f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+        losses.append(float(loss.detach().float()))
+    it = time.perf_counter() - t_it
+    norm = engine.get_global_grad_norm()
+    return StepRecord(step=step + 1, loss=sum(losses) / len(losses), lr=float(engine.get_lr()[0]),
+                      iter_s=it, fwd_s=f, bwd_s=b, step_s=s, tokens_per_s=mb * gas * seq * world / it,
+                      gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                      grad_norm=float(norm) if norm is not None else None)

@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TUNE_SCHEMA_VERSION = 1
+TUNE_SCHEMA_VERSION = 2  # 2: world, host_budget_gib
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -82,6 +82,8 @@ class TuneResult(_Record):
     closed_form: list[TrialRecord]
     ds_offload: Optional[PredictedTimes] = None  # DeepSpeed ZeRO-Offload (ratio 1.0) at its sub_group_size
     ds_sub_group_size: Optional[int] = None
+    world: dict = Field(default_factory=lambda: {"nodes": 1, "gpus_per_node": 1})  # tuned for; predictions per rank
+    host_budget_gib: Optional[float] = None  # pinned host memory the ranks of one node may hold together
     validation: list[Validation] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 

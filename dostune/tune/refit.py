@@ -20,8 +20,9 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..models.registry import ModelSpec
-from ..optim.schedule import SECTION, ScheduleConfig, assign_lanes, make_plan
+from ..optim.schedule import SECTION, ScheduleConfig, gpu_count, make_plan
 from ..perfmodel.subgroups import param_numels, subgroup_sizes
+from ..perfmodel.world import World, check_local_gpus, check_world
 
 #: DeepSpeed's zero_optimization.sub_group_size when a config does not set it
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
@@ -38,13 +39,18 @@ def model_subgroups(spec: ModelSpec, sub_group_size: int, world_size: int = 1,
     return len(subgroup_sizes(numels if numels is not None else param_numels(spec), sub_group_size, world_size))
 
 
-def check_fits(ds_config: dict, spec: ModelSpec, source: str, world_size: int = 1) -> Optional[int]:
-    """Refuse, before the engine is built, a dostune section that cannot run on this model: tuned for another
-    subgroup count, or with more resident subgroups than the GPU lane has. Returns the subgroup count (None
-    without a dostune section)."""
+def check_fits(ds_config: dict, spec: ModelSpec, source: str, world: "World | int | None" = None) -> Optional[int]:
+    """Refuse, before the engine is built, a dostune section that cannot run here: tuned for another world (the
+    config's ``dostune_world``; ``world``: the run's, None = the launcher's environment) or launched with more ranks
+    per node than the node has GPUs (checked first), tuned for another subgroup count, or with more resident subgroups than the GPU
+    lane has. Returns the subgroup count (None without a dostune section)."""
     sched = ScheduleConfig.from_ds_config(ds_config)
     if sched is None:
         return None
+    run = World.of_run() if world is None else World(1, world) if isinstance(world, int) else world
+    check_local_gpus(run)  # no GPU for this rank says more than "another world" would
+    check_world(ds_config, source, spec.name, run)
+    world_size = run.size
     sgs = config_sub_group_size(ds_config)
     n = model_subgroups(spec, sgs, world_size)
     hint = f"carry the schedule over with: dostune refit --config {source} --model {spec.name} --output NEW.json"
@@ -67,10 +73,6 @@ class Refit:
     notes: list[str] = field(default_factory=list)
 
 
-def _gpu_count(n: int, fraction: float) -> int:
-    return sum(1 for lane in assign_lanes(n, fraction, "first") if lane == "gpu")
-
-
 def _scaled(count: int, old_total: int, new_total: int) -> int:
     """``count`` of ``old_total`` as the same share of ``new_total`` (at least 1 when it was at least 1)."""
     if count <= 0 or old_total <= 0 or new_total <= 0:
@@ -79,37 +81,36 @@ def _scaled(count: int, old_total: int, new_total: int) -> int:
 
 
 def refit_schedule(sched: ScheduleConfig, n: int, cores: Optional[int] = None) -> tuple[ScheduleConfig, list[str]]:
-    """The schedule's shape on ``n`` subgroups (see the module's docstring); notes say what changed."""
+    """The schedule's shape on ``n`` subgroups (see the module's docstring); notes say what changed. ``cores``: the
+    logical cores one rank has here (thread counts above it are dropped)."""
     notes = []
     old_n = sched.expected_subgroups
     fraction = sched.gpu_fraction
-    g = _gpu_count(n, fraction)
+    g = gpu_count(n, fraction)
     if g == 0 and fraction > 0 and n > 1:
         # a share that rounds to nothing on few subgroups would drop the GPU lane the tuner chose
         fraction, g = min(1.0, 1 / n + 1e-9), 1
         notes.append(f"gpu_fraction raised to {fraction:.4g} so that one of the {n} subgroups is updated on the GPU")
-    old_g = _gpu_count(old_n, sched.gpu_fraction) if old_n else g
+    old_g = gpu_count(old_n, sched.gpu_fraction) if old_n else g
     resident = _scaled(sched.resident_subgroups, old_g, g) if sched.resident_subgroups else 0
     streamed = g - resident
     if sched.adaptive_swing and old_n and sched.adaptive_swing == old_g - sched.resident_subgroups:
         swing = streamed  # the tuner's rule: every streamed GPU-lane subgroup may swing
     else:
         swing = min(sched.adaptive_swing, streamed)
-    backward_gpu = min(sched.backward_gpu_subgroups, g)
     threads = sched.cpu_threads
     if threads is not None and cores is not None and threads > cores:
-        notes.append(f"cpu_threads {threads} dropped: this machine has {cores} logical cores (CPU Adam uses "
+        notes.append(f"cpu_threads {threads} dropped: a rank here has {cores} logical core(s) (CPU Adam uses "
                      "torch's thread count)")
         threads = None
     backward_threads = sched.backward_cpu_threads
     if backward_threads is not None and cores is not None and backward_threads > cores:
         backward_threads = None
     new = sched.model_copy(update=dict(gpu_fraction=fraction, resident_subgroups=resident, adaptive_swing=swing,
-                                       backward_gpu_subgroups=backward_gpu, cpu_threads=threads,
+                                       cpu_threads=threads,
                                        backward_cpu_threads=backward_threads, expected_subgroups=n))
     for name, before, after in (("resident_subgroups", sched.resident_subgroups, resident),
-                                ("adaptive_swing", sched.adaptive_swing, swing),
-                                ("backward_gpu_subgroups", sched.backward_gpu_subgroups, backward_gpu)):
+                                ("adaptive_swing", sched.adaptive_swing, swing)):
         if before != after:
             notes.append(f"{name} {before} -> {after}")
     ScheduleConfig.model_validate(new.model_dump())  # the combination rules still hold
@@ -120,7 +121,14 @@ def refit_schedule(sched: ScheduleConfig, n: int, cores: Optional[int] = None) -
 def refit(ds_config: dict, spec: ModelSpec, source: str, sub_group_size: Optional[int] = None,
           micro_batch: Optional[int] = None, world_size: int = 1, cores: Optional[int] = None) -> Refit:
     """``ds_config``'s dostune schedule carried over to ``spec``. Without ``sub_group_size``, one that gives the
-    new model about as many subgroups as the schedule was tuned for (the count the shape was chosen at)."""
+    new model about as many subgroups as the schedule was tuned for (the count the shape was chosen at). The world
+    stays the one the config was tuned for (its ``dostune_world``; ``world_size`` ranks on one node for a config
+    that does not say), and so do its threads per rank where this machine has them."""
+    tuned_world = World.from_config(ds_config, source)
+    if tuned_world is not None:
+        world_size = tuned_world.size
+        if cores is None:
+            cores = max(1, (os.cpu_count() or 1) // tuned_world.gpus_per_node)
     sched = ScheduleConfig.from_ds_config(ds_config)
     if sched is None:
         raise ConfigError(f"{source} has no '{SECTION}' section to refit", hint="run `dostune tune` to emit one")

@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Optional
 
 from .._version import __version__
+from ..optim.schedule import ScheduleConfig
 from ..dsconfig import OffloadSettings, Target, TrainSettings, check_target, deepspeed_config, hf_config
 from ..errors import DostuneError, ProfileError
 from ..invocation import invocation
 from ..models.registry import resolve_model
-from ..perfmodel.inputs import ModelInputs, NodeInputs
+from ..perfmodel.inputs import ModelInputs
 from ..perfmodel.model import Prediction, ds_offload_step_lanes
 from ..perfmodel.subgroups import param_numels
+from ..perfmodel.world import WORLD_KEY, World, rank_inputs
 from ..profile.identity import cuda_available
 from ..profile.model_record import ModelProfile, load_model_profile
 from ..profile.paths import shipped_profile
@@ -25,6 +27,7 @@ from ..profile.record import NodeProfile, check_writable, load_node_profile
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
 from .space import UPLOADS, Candidate, Space
+from .world import check_model_profile_world, check_node_gpus, find_model_profile, host_budget, resolve_world
 
 SAMPLERS = ("tpe", "random", "qmc")
 
@@ -49,7 +52,18 @@ class TuneOptions:
     clip: float = 1.0
     target: Target = "deepspeed"  # who reads the emitted config (dsconfig.hf_config)
     activation_checkpointing: bool = False  # the emitted config carries DeepSpeed's activation_checkpointing section
+    num_gpus: Optional[int] = None  # GPUs (ranks) per node; default 1, or the hostfile's slots
+    nodes: Optional[int] = None  # default 1, or the hostfile's hosts
+    hostfile: Optional[Path] = None  # DeepSpeed's MPI-style hostfile: the world it describes
+    host_memory_budget: str = "auto"  # pinned host memory of one node's ranks together: "auto" (the profile's) or GiB
     notes: list[str] = field(default_factory=list)
+    _world: Optional[World] = field(default=None, repr=False)
+
+    def world(self) -> World:
+        """The world to tune for: --num-gpus and --nodes, or the hostfile's (which they must agree with)."""
+        if self._world is None:
+            self._world = resolve_world(self.num_gpus, self.nodes, self.hostfile)
+        return self._world
 
 
 def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[ModelProfile], Optional[Path]]:
@@ -64,20 +78,16 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
         raise DostuneError("no --profile given", hint="measure this node first: dostune profile --output node.json, "
                            "then dostune tune --profile node.json")
     node = load_node_profile(node_path)
+    world = opts.world()
     model_path = Path(opts.model_profile) if opts.model_profile else None
     if model_path is None:
-        # profiles/<node>-<model>-b<B>-s<S>.json beside the node profile, the layout `dostune profile --model` uses
-        candidates = sorted(node_path.parent.glob(f"{node.name}-{opts.model}-b*-s*.json"))
-        if opts.micro_batch is not None:
-            candidates = [c for c in candidates if f"-b{opts.micro_batch}-" in c.name]
-        if opts.seq is not None:
-            candidates = [c for c in candidates if c.name.endswith(f"-s{opts.seq}.json")]
-        model_path = candidates[0] if candidates else None
-        if model_path is not None:
-            opts.notes.append(f"model profile: {model_path}")
+        model_path = find_model_profile(node, node_path, opts.model, opts.micro_batch, opts.seq, world, opts.notes)
     model = load_model_profile(model_path) if model_path is not None else None
     if model is not None and model.model != opts.model:
         raise ProfileError(f"{model_path} profiles {model.model}, not {opts.model}")
+    if model is not None:
+        check_model_profile_world(model, model_path, world, node.name)
+    check_node_gpus(node, node_path, world)
     if model is not None and model.node != node.name:
         opts.notes.append(f"the model profile was measured on '{model.node}', the node profile is '{node.name}'")
     if model is None:
@@ -91,10 +101,13 @@ def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_
     if opts.gpu_memory_budget == "auto":
         if model_path is None:
             # the budget is only the first thing that needs the model profile: name what is missing
-            raise ProfileError(f"no model profile for {opts.model} on {node_name}: none given and no "
-                               f"{node_name}-{opts.model}-b*-s*.json beside {node_path}",
-                               hint=f"measure it on the GPU node (dostune profile --model {opts.model} --name "
-                                    f"{node_name}) and pass --model-profile, or give --gpu-memory-budget in GiB")
+            w = opts.world()
+            suffix, how = (f"-{w.nodes}x{w.gpus_per_node}", f"deepspeed --num_gpus {w.gpus_per_node} --module "
+                           "dostune.profile") if w.size > 1 else ("", "dostune profile")
+            raise ProfileError(f"no model profile for {opts.model} on {node_name} ({w.describe()}): none given and no "
+                               f"{node_name}-{opts.model}-b*-s*{suffix}.json beside {node_path}",
+                               hint=f"measure it on the GPU node ({how} --model {opts.model} --name {node_name}) and "
+                                    "pass --model-profile, or give --gpu-memory-budget in GiB")
         if m.free_step_gib is None:
             raise ProfileError(f"model profile {model_path} was measured without a GPU, so the GPU memory free "
                                "during the step is unknown", hint="profile the model on the GPU node, or give "
@@ -112,7 +125,9 @@ def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_
 
 def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[ModelProfile], Optional[Path], ModelInputs]:
     node_p, node_path, model_p, model_path = resolve_profiles(opts)
-    node = NodeInputs.from_profile(node_p)
+    world = opts.world()
+    node, world_notes = rank_inputs(node_p, world)
+    opts.notes += world_notes
     spec = resolve_model(opts.model)
     numels = param_numels(spec)
     if model_p is not None:
@@ -121,11 +136,20 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
     else:
         m = ModelInputs(model=opts.model, params=sum(numels))
         prof_sub = None
-    budget = _budget(opts, m, model_path, node_path, node_p.name)
     peak_limit = None
     if opts.max_peak_increase is not None and m.offload_peak_gib is not None:
         peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
-    space = Space(node, m, numels, budget, peak_limit, profile_subgroups=prof_sub)
+    host = host_budget(opts.host_memory_budget, node_p)
+    space = Space(node, m, numels, None, peak_limit, world=world, profile_subgroups=prof_sub, host_budget_gib=host)
+    # the least any offloaded schedule pins (fp32 params, Adam states and gradients of the partition, nothing else)
+    least = space.node_pinned_gib(space.predict_schedule(space.sub_group_sizes[-1], ScheduleConfig(gpu_fraction=0.0)))
+    if least > host:
+        raise DostuneError(f"{world.describe()}: the {world.gpus_per_node} rank(s) of a node pin at least {least:.1f} GiB "
+                           f"of host memory for {opts.model}'s offloaded optimizer state, more than the node's "
+                           f"{host:.1f} GiB", hint="spread it over more ranks (--num-gpus, --nodes), or give "
+                                                  "--host-memory-budget in GiB if the node has more")
+    # after the host check: a model whose state no schedule fits is refused before asking for its model profile
+    space.budget_gib = _budget(opts, m, model_path, node_path, node_p.name)
     return space, node_p, node_path, model_p, model_path, m
 
 
@@ -163,16 +187,17 @@ def _sampler(name: str, seed: int):
 
 
 # Bumped whenever the searched parameters or their scoring change (2: overlap_backward; 3: resident subgroups
-# filling the peak-memory allowance, and the step prefetch in the model), so that a stored study from an older
-# search is not resumed as if its trials had explored the new space.
-SEARCH_SPACE_VERSION = 3
+# filling the peak-memory allowance, and the step prefetch in the model; 4: one rank of a world, and the node's
+# pinned host memory as a constraint), so that a stored study from an older search is not resumed as if its trials
+# had explored the new space.
+SEARCH_SPACE_VERSION = 4
 
 
 def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
     key = {"space": SEARCH_SPACE_VERSION,
            "node": [node_p.name, node_p.created], "model": [opts.model, model_p.created if model_p else None],
            "budget": space.budget_gib, "peak": space.max_peak_gib, "sizes": space.sub_group_sizes,
-           "threads": space.threads}
+           "threads": space.threads, "world": space.world.as_config(), "host": space.host_budget_gib}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -221,10 +246,11 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
                if space.overlap_possible else {}),
         })
         p = space.evaluate(c)
-        budget_over, peak_over = space.violations(p)
+        budget_over, peak_over, host_over = space.violations(p)
         # Optuna's constrained sampling (TPE) steers away from trials with positive values
         trial.set_constraint("staging_over_budget_gib", budget_over)
         trial.set_constraint("peak_over_limit_gib", peak_over)
+        trial.set_constraint("pinned_over_host_gib", host_over)
         trial.set_user_attr("feasible", space.feasible(p))
         return p.objective_s
 
@@ -254,14 +280,18 @@ def ranked(space: Space, study) -> list[TrialRecord]:
 
 
 def emit_config(rec: TrialRecord, micro_batch: int, precision: str, lr: float, clip: float,
-                target: Target = "deepspeed", activation_checkpointing: bool = False) -> dict:
-    from ..optim.schedule import ScheduleConfig
-
+                target: Target = "deepspeed", activation_checkpointing: bool = False, world: World = World()) -> dict:
+    """The DeepSpeed config of a tuned schedule. It names the world it was tuned for (WORLD_KEY), which `dostune
+    train` and `dostune bench` check before building the engine; train_batch_size is left for DeepSpeed to derive
+    (micro-batch x gradient accumulation x ranks), so the same file runs under any launcher of that world."""
     sched = ScheduleConfig.model_validate(rec.schedule)
     train = TrainSettings(micro_batch=micro_batch, precision=precision, lr=lr, clip=clip,
                           activation_checkpointing=activation_checkpointing)
-    return hf_config(deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, schedule=sched)),
-                     target)
+    # pin_memory off: dostune page-locks DeepSpeed's buffers in place, without the power-of-two rounding of
+    # DeepSpeed's pinned copies (optim/footprint.py: what lets llama-7b fit a 125 GiB host)
+    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=rec.sub_group_size, pin_memory=False, schedule=sched))
+    cfg[WORLD_KEY] = world.as_config()
+    return hf_config(cfg, target)
 
 
 def output_dir(opts: TuneOptions) -> Path:
@@ -291,6 +321,7 @@ def check_options(opts: TuneOptions) -> None:
         check_writable(out / name, "--output-dir")
     if opts.storage is not None:
         _check_storage(opts.storage)
+    opts.world()  # a bad --num-gpus/--nodes or hostfile (a node that does not resolve): now, before any work
 
 
 def _check_storage(url: str) -> None:
@@ -327,12 +358,16 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
     out_dir = output_dir(opts)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
-    study_name = opts.study_name or f"{node_p.name}-{opts.model}-b{micro_batch}-v{SEARCH_SPACE_VERSION}"
+    world = opts.world()
+    study_name = opts.study_name or (f"{node_p.name}-{opts.model}-b{micro_batch}"
+                                     + (f"-{world.nodes}x{world.gpus_per_node}" if world.size > 1 else "")
+                                     + f"-v{SEARCH_SPACE_VERSION}")
     study = run_study(space, opts, storage, study_name, _problem_key(node_p, model_p, opts, space), progress)
     top = ranked(space, study)
     if not top:
-        raise DostuneError("no schedule met the GPU memory limits in the trials run",
-                           hint="raise --gpu-memory-budget / --max-peak-increase, or run more --trials")
+        raise DostuneError("no schedule met the GPU and host memory limits in the trials run",
+                           hint="raise --gpu-memory-budget / --max-peak-increase / --host-memory-budget, or run more "
+                                "--trials")
     closed = [trial_record(space, c, space.evaluate(c)) for c in space.closed_form_candidates()]
     ds_pred = None
     ds_sgs = m.ds_sub_group_size or 100_000_000
@@ -351,6 +386,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         seq=model_p.seq if model_p else opts.seq, precision=precision, budget_gib=space.budget_gib,
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
-        ds_sub_group_size=ds_sgs, notes=list(opts.notes))
+        ds_sub_group_size=ds_sgs, world=world.as_config(), host_budget_gib=space.host_budget_gib,
+        notes=list(opts.notes))
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
-                               opts.activation_checkpointing), space
+                               opts.activation_checkpointing, world), space

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ..errors import DostuneError
-from ..optim.schedule import ScheduleConfig
+from ..optim.footprint import STATE_BYTES
+from ..optim.schedule import ScheduleConfig, gpu_fraction_for
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.model import (STATE_BYTES, GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
-                               gpu_lane_sizes, grad_alloc_fractions, grad_ready_fractions, predict)
+from ..perfmodel.model import (GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
+                               grad_alloc_fractions, grad_ready_fractions, predict)
 from ..perfmodel.subgroups import subgroup_sizes
+from ..perfmodel.world import World, node_pinned_gib
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
@@ -32,17 +34,21 @@ class Space:
     """Everything the search needs, fixed for one (node, model, batch) problem."""
 
     def __init__(self, node: NodeInputs, model: ModelInputs, param_numels: list[int], budget_gib: Optional[float],
-                 max_peak_gib: Optional[float], world_size: int = 1,
+                 max_peak_gib: Optional[float], world: World = World(),
                  profile_subgroups: Optional[tuple[list[int], list[Optional[float]], float]] = None,
-                 sub_group_sizes=SUB_GROUP_SIZES):
+                 sub_group_sizes=SUB_GROUP_SIZES, host_budget_gib: Optional[float] = None):
+        """``node``: one rank's inputs (perfmodel/world.py rank_inputs); ``host_budget_gib``: the pinned host memory
+        the ranks of one node may hold together (None: unchecked)."""
         self.node, self.model = node, model
         self.numels = param_numels
-        self.world_size = world_size
+        self.world = world
+        self.world_size = world.size
+        self.host_budget_gib = host_budget_gib
         total = sum(param_numels)
         self.sub_group_sizes = [s for s in sub_group_sizes if s < total] or [total]
         self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
         self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
-        ds_sizes = subgroup_sizes(param_numels, model.ds_sub_group_size or 100_000_000, world_size)
+        ds_sizes = subgroup_sizes(param_numels, model.ds_sub_group_size or 100_000_000, world.size)
         self.overhead_s = ds_step_overhead(model, ds_sizes, node)
         self._profile_subgroups = profile_subgroups
         self._sizes: dict[int, tuple[int, ...]] = {}
@@ -84,8 +90,7 @@ class Space:
         # gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s
         # (results/h100/swing-gpt2-1.3b/).
         swing = max(0, min(c.gpu_count, n) - resident) if c.overlap_backward else 0
-        # the fraction that selects exactly gpu_count subgroups (assign_lanes floors n * f)
-        return ScheduleConfig(gpu_fraction=min(1.0, c.gpu_count / n), staging_buffers=c.staging_buffers,
+        return ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
                               cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
                               overlap_backward=c.overlap_backward, resident_subgroups=resident, adaptive_swing=swing,
                               expected_subgroups=n)
@@ -118,8 +123,8 @@ class Space:
         if room == float("inf") or room <= 0:
             return 0
         count, used = 0, 0.0
-        for s in gpu_lane_sizes(p.sizes, p.schedule):
-            used += STATE_BYTES * s / GiB
+        for i in p.plan.gpu_subgroups:
+            used += STATE_BYTES * p.sizes[i] / GiB
             if used > room:
                 break
             count += 1
@@ -127,11 +132,15 @@ class Space:
 
     def violations(self, p: Prediction) -> list[float]:
         """Constraint values, <= 0 when satisfied (Optuna's convention): GiB over the staging budget, GiB over
-        the peak limit."""
+        the peak limit, GiB of pinned host memory that the ranks of one node hold over the node's."""
         out = [p.memory.extra_step_gib - self.budget_gib if self.budget_gib is not None else -1.0]
         peak = p.memory.peak_gpu_gib
         out.append(peak - self.max_peak_gib if (self.max_peak_gib is not None and peak is not None) else -1.0)
+        out.append(self.node_pinned_gib(p) - self.host_budget_gib if self.host_budget_gib is not None else -1.0)
         return out
+
+    def node_pinned_gib(self, p: Prediction) -> float:
+        return node_pinned_gib(p.memory.pinned_host_gib, self.world)
 
     def feasible(self, p: Prediction) -> bool:
         return all(v <= 0 for v in self.violations(p))

@@ -1,0 +1,247 @@
+"""The CPU lane, in one of two forms chosen at start-up:
+
+* ``CpuStepLane``: in the step, DeepSpeed's own per-subgroup update (the same unscale, the same DeepSpeedCPUAdam
+  call) in place in host memory, each result then uploaded to the GPU partition while the next one computes;
+* ``CpuBackwardLane`` (``overlap_backward``): the worker of overlap.py updates each subgroup during backward as soon
+  as its gradients are final, speculatively; the step commits, recomputes or drops its results.
+
+Both offer the step the same calls, in the step's order: ``before_gpu`` (before the GPU lane advances step counts),
+``start`` (once the GPU lane is queued), ``finish`` (after the host's own work), or ``skip`` on a skipped step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from .adam_steps import AdamSteps
+from .footprint import cpu_lane_reach, half_ring_count
+from .grads import GradRouting
+from .host_state import HostStates
+from .norms import GradNorms
+from .overlap import BackwardOverlap, StepOutcome, SubgroupIO
+from .pinned import PinRegistry
+from .queues import Queues
+from .schedule import Plan, ScheduleConfig
+
+
+class _InlineUpload:
+    """A CPU device: the half-precision partition is host memory, written directly."""
+
+    def begin(self, width: int, dtype: torch.dtype) -> None:
+        pass
+
+    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
+        dst.copy_(src)
+
+    def end(self) -> None:
+        pass
+
+
+class _Fp32Upload:
+    """``gpu_convert``: the fp32 result goes up into a device buffer, converted there into the partition."""
+
+    def __init__(self, queues: Queues, device: torch.device):
+        self._q, self._device = queues, device
+        self._staging: Optional[torch.Tensor] = None
+
+    def begin(self, width: int, dtype: torch.dtype) -> None:
+        with self._q.on("up"):
+            self._staging = torch.empty(width, device=self._device)
+
+    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
+        q, n = self._q, src.numel()
+        with q.on("up"):
+            t_up = q.record("up")
+            self._staging[:n].copy_(src, non_blocking=True)
+            dst.copy_(self._staging[:n])
+            trace.append(("up", i, t_up, q.record("up")))
+
+    def end(self) -> None:
+        self._q.streams["up"].synchronize()
+        self._staging = None
+
+
+class _HalfUpload:
+    """``cpu_convert``: converted on the CPU into one of two pinned buffers, which go up in half precision."""
+
+    def __init__(self, queues: Queues):
+        self._q = queues
+        self._bufs: list[torch.Tensor] = []
+        self._free: list = []
+
+    def begin(self, width: int, dtype: torch.dtype) -> None:
+        self._bufs = [torch.empty(width, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self._free = [None, None]
+
+    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
+        q, n, b = self._q, src.numel(), k % 2
+        if self._free[b] is not None:
+            self._free[b].synchronize()  # the previous upload from this pinned buffer is done
+        self._bufs[b][:n].copy_(src)  # convert on the CPU
+        with q.on("up"):
+            t_up = q.record("up")
+            dst.copy_(self._bufs[b][:n], non_blocking=True)
+            self._free[b] = q.record("up")
+            trace.append(("up", i, t_up, self._free[b]))
+
+    def end(self) -> None:
+        self._bufs, self._free = [], []
+
+
+class CpuStepLane:
+    def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device):
+        self._opt, self._host = opt, host
+        self._threads = schedule.cpu_threads
+        if not queues.cuda:
+            self._upload = _InlineUpload()
+        elif schedule.upload == "gpu_convert":
+            self._upload = _Fp32Upload(queues, device)
+        else:
+            self._upload = _HalfUpload(queues)
+        self._order: list[int] = []
+
+    def in_backward(self, plan: Plan) -> frozenset:
+        return frozenset()
+
+    def set_plan(self, plan: Plan) -> None:
+        self._order = list(plan.cpu_order)
+
+    def grad_final(self, i: int, pid: int) -> None:
+        raise AssertionError("the CPU lane at the step takes no subgroup during backward")
+
+    def before_gpu(self) -> None:
+        pass
+
+    def start(self, inv32: float) -> None:
+        pass
+
+    def finish(self, inv, inv32: float, trace: list) -> None:
+        """Run the lane on the host while the GPU lane's queued work proceeds: DeepSpeed's own per-subgroup CPU
+        update, then an asynchronous upload of the half-precision params. ``inv``: DeepSpeed's unscale factor, in
+        the form its unscale_and_clip_grads multiplies by."""
+        if not self._order:
+            return
+        prev_threads = torch.get_num_threads()
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            self._run(inv, trace)
+        finally:
+            torch.set_num_threads(prev_threads)
+
+    def _run(self, inv, trace: list) -> None:
+        host, up = self._host, self._upload
+        up.begin(max(host.numel(i) for i in self._order), host.half(self._order[0]).dtype)
+        for k, i in enumerate(self._order):
+            c0 = time.perf_counter()
+            host.grad(i).mul_(inv)  # DeepSpeed's unscale_and_clip_grads, with the same factor
+            self._opt._optimizer_step(i)  # DeepSpeed's own DeepSpeedCPUAdam call for this subgroup
+            trace.append(("cpu", i, c0, time.perf_counter()))
+            up.send(k, i, host.live(i).p, host.half(i), trace)
+        up.end()
+
+    def skip(self) -> None:
+        pass
+
+    @property
+    def stats(self) -> dict:
+        return {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class CpuBackwardLane:
+    def __init__(self, opt, host: HostStates, grads: GradRouting, norms: GradNorms, adam: AdamSteps,
+                 queues: Queues, pins: PinRegistry, schedule: ScheduleConfig, device: torch.device, plan: Plan):
+        self._opt, self._host, self._grads, self._norms, self._queues = opt, host, grads, norms, queues
+        self._adam, self._plan = adam, plan
+        reach = cpu_lane_reach(plan)
+        # Each subgroup's parameter ids (those holding data on this rank), for every subgroup the lane may get, and
+        # those finalised so far this backward, for the lane's subgroups this step.
+        self._pids = {i: grads.param_ids(i) for i in reach}
+        self._seen: dict[int, set] = {}
+        threads = schedule.cpu_threads or torch.get_num_threads()
+        ring = half_ring_count(len(reach), max(host.numel(i) for i in reach))
+        self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
+                                      schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
+        self.worker.reserve(list(plan.swing_candidates))
+        self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
+        self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
+
+    def _scalars(self) -> dict:
+        self._adam.sync_beta_powers()
+        return self._adam.scalars(frozenset(self._plan.cpu_order))
+
+    def subgroup_io(self, i: int) -> SubgroupIO:
+        """What the worker needs of subgroup i, read fresh each step (checkpoint loads replace it)."""
+        live = self._host.live(i)
+        return SubgroupIO(live.p, self._grads.host_grad(i), live.m, live.v, self._host.half(i))
+
+    def in_backward(self, plan: Plan) -> frozenset:
+        return frozenset(plan.cpu_order)
+
+    def set_plan(self, plan: Plan) -> None:
+        self._plan = plan
+        self._seen = {i: set() for i in plan.cpu_order}
+        self.worker.subgroups = list(plan.cpu_order)
+
+    def grad_final(self, i: int, pid: int) -> None:
+        """Hand subgroup i to the worker once its last parameter's gradient has been copied out."""
+        seen = self._seen[i]
+        seen.add(pid)
+        if len(seen) != len(self._pids[i]):
+            return
+        ov, opt = self.worker, self._opt
+        if not ov.active:
+            ov.open(ov.spec_factor(float(opt.loss_scale)), float(opt.loss_scale), float(opt.clip_grad))
+        host, event = self._ready_signal(i)
+        ov.ready(i, event, host)
+
+    def _with_partial_norm(self, i: int) -> tuple:
+        """(host copy of the running partial norm, event after which it and the gradient copies are done)."""
+        return self._norms.add_partial(self._pids[i])
+
+    def _gradient_event(self, i: int) -> tuple:
+        """No partial norm, and the event the worker waits on before reading the gradient copies (on a CPU device
+        none is needed)."""
+        return None, (self._queues.record_current() if self._queues.cuda else None)
+
+    def before_gpu(self) -> None:
+        self.worker.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts
+
+    def _may_commit(self, inv32: Optional[float]) -> bool:
+        """Whether the speculative updates used this step's real factor (``inv32`` None: skipped step)."""
+        return inv32 is not None and inv32 == self.worker.spec_inv
+
+    def start(self, inv32: float) -> None:
+        self.worker.submit(inv32, self._may_commit(inv32))
+
+    def finish(self, inv, inv32: Optional[float], trace: list) -> None:
+        """Hand the worker the real factor (its fp32 value; None: the step is skipped), wait for the lane, then swap
+        the committed subgroups' shadow buffers in."""
+        ov = self.worker
+        out: StepOutcome = ov.finish(inv32, self._may_commit(inv32))
+        for i in out.committed:
+            ov.set_shadow(i, self._host.commit(i, ov.shadow(i)))
+        st = self._stats
+        st["steps"] += 1
+        st["speculative"] += out.speculative
+        st["redone"] += out.redone
+        st["committed"] += len(out.committed)
+        trace += out.spans
+        for seen in self._seen.values():
+            seen.clear()
+        self._norms.reset_partial()
+
+    def skip(self) -> None:
+        self.finish(None, None, [])
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,228 @@
+"""The GPU lane: each GPU-lane subgroup's fp32 params and Adam states meet its gradients on the GPU, a fused Adam
+bit-identical to DeepSpeedCPUAdam (kernels.py) updates them and writes the half-precision partition in the same
+pass. Two kinds of subgroup, each its own lane object:
+
+* streamed (``StreamedGpuLane``): the states stream into a staging slot, and back to host memory after the
+  update; slots are reused round robin, each refill waiting (a CUDA event) for the slot's previous write-back;
+* resident (``ResidentGpuLane``, ``resident_subgroups``): the states stay on the GPU for the run; the update
+  streams nothing over PCIe, and the host copies are brought up to date only when DeepSpeed reads them.
+
+Everything is queued on the lane streams (queues.py) up front; nothing here blocks the host.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .grads import GradRouting
+from .host_state import Buffers, HostStates, empty_buffers
+from .kernels import LaneAdam
+from .queues import Queues
+from .schedule import Plan
+
+
+class _Slot:
+    """A staging slot: room for the widest streamed subgroup's states (and gradients when they are not kept on
+    the GPU), and the event after which it may be refilled."""
+
+    def __init__(self, queues: Queues, width: int, with_grads: bool, device: torch.device):
+        with queues.on("compute"):
+            # Allocated on the stream that uses them; freed at the end of the step after the lanes drain.
+            self.states = empty_buffers(width, device)
+            self.grad = torch.empty(width, device=device) if with_grads else None
+        self.ready = queues.record("compute", timing=False)
+
+
+class StreamedGpuLane:
+    def __init__(self, host: HostStates, grads: GradRouting, queues: Queues, lane_adam: LaneAdam,
+                 staging_buffers: int, grads_on_gpu: bool, device: torch.device):
+        self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
+        self._nbuf = staging_buffers
+        # where the gradients come from: kept on the GPU, or streamed in from DeepSpeed's fp32 host buffer
+        self._stream_grads = not grads_on_gpu
+        self._bring_in = self._states_and_grads_in if self._stream_grads else self._states_in
+        self._grad_of = self._streamed_grad if self._stream_grads else self._kept_grad
+        self._plan: Optional[Plan] = None
+        # This iteration's slots (slot index -> slot), used round robin; _fills counts the fills so far.
+        # _prefetched: subgroup -> (start, done) of the states streamed in at the step's start.
+        self._slots: dict[int, _Slot] = {}
+        self._fills = 0
+        self._prefetched: dict[int, tuple] = {}
+
+    def set_plan(self, plan: Plan) -> None:
+        self._plan = plan
+        self._width = max((self._host.numel(s.subgroup) for s in plan.gpu_slots), default=0)
+        self._nslots = min(self._nbuf, len(plan.gpu_slots))
+
+    def _new_slot(self) -> _Slot:
+        return _Slot(self._q, self._width, self._stream_grads, self._device)
+
+    def _stage(self, i: int, slot: _Slot) -> tuple:
+        """Queue subgroup i's states into ``slot`` once the slot is free; (start, done)."""
+        q = self._q
+        with torch.no_grad(), q.on("h2d"):
+            q.wait("h2d", slot.ready)
+            t_in = q.record("h2d")
+            slot.states.head(self._host.numel(i)).copy_from(self._host.live(i))
+            return t_in, q.record("h2d")
+
+    def prefetch(self) -> None:
+        """At the step's start, stream the first subgroups' states into every slot: they do not depend on this
+        step's gradients or clipping factor, so the copies run while the host works through DeepSpeed's prologue
+        (releasing the parameters, the gradient norm: about 40 ms for gpt2-1.3b on the H100), which used to leave
+        the copy engines idle. Backward's activations are freed by now, so the slots do not raise peak memory. A
+        skipped step drains and drops them."""
+        firsts = self._plan.first_fills
+        while len(self._slots) < len(firsts):
+            gs = firsts[len(self._slots)]
+            self._host.ensure_pinned(gs.subgroup)  # a checkpoint load may have replaced the states
+            slot = self._slots[gs.slot] = self._new_slot()
+            self._prefetched[gs.subgroup] = self._stage(gs.subgroup, slot)
+
+    def _states_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
+        """(event after which subgroup i's inputs are in the slot, its h2d span to trace after the update or None)
+        when its gradients are kept on the GPU: only the states come in, unless the step's prefetch brought them.
+        Then the update waits for this subgroup's own copies: an event recorded now would follow every copy queued
+        on the h2d stream so far, i.e. all the prefetched slots (the H100 timeline of results/h100/nt-gpt2-1.3b: the
+        first streamed subgroup's Adam waited ~16 ms for the other two)."""
+        if early is not None:
+            trace.append(("h2d", i, *early))
+            return early[1], None
+        q = self._q
+        with q.on("h2d"):
+            q.wait("h2d", slot.ready)
+            t_in = q.record("h2d")
+            states.copy_from(self._host.live(i))
+            done = q.record("h2d")
+        return done, ("h2d", i, t_in, done)
+
+    def _states_and_grads_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
+        """Likewise when the gradients come from DeepSpeed's fp32 host buffer: they stream in after the states."""
+        q, n = self._q, states.p.numel()
+        with q.on("h2d"):
+            q.wait("h2d", slot.ready)
+            if early is not None:
+                trace.append(("h2d", i, *early))
+                t_in = q.record("h2d")
+            else:
+                t_in = q.record("h2d")
+                states.copy_from(self._host.live(i))
+            slot.grad[:n].copy_(self._host.grad(i), non_blocking=True)
+            done = q.record("h2d")
+        return done, ("h2d", i, t_in, done)
+
+    def _kept_grad(self, i: int, slot: _Slot, n: int) -> Optional[torch.Tensor]:
+        return self._grads.device.get(i)
+
+    def _streamed_grad(self, i: int, slot: _Slot, n: int) -> torch.Tensor:
+        return slot.grad[:n]
+
+    def queue(self, inv: float, scalars: dict, trace: list) -> None:
+        """Queue every streamed subgroup: H2D into a slot (the states unless they came in at the step's start), fused
+        Adam, convert, D2H."""
+        host, q, adam = self._host, self._q, self._adam
+        for gs in self._plan.gpu_slots:
+            i = gs.subgroup
+            n = host.numel(i)
+            idx = self._fills % self._nslots
+            self._fills += 1
+            slot = self._slots.get(idx)
+            if slot is None:
+                slot = self._slots[idx] = self._new_slot()
+            states = slot.states.head(n)
+            # the step's prefetch filled slot k with the k-th
+            h2d_done, h2d_span = self._bring_in(i, slot, states, self._prefetched.get(i), trace)
+            g = self._grad_of(i, slot, n)
+            if g is None:  # no gradient reached this subgroup (e.g. unused parameters): DeepSpeed's is zeros
+                with q.on("compute"):
+                    g = torch.zeros(n, device=self._device)
+            step = host.advance(i)
+            with q.on("compute"):
+                q.wait("compute", h2d_done)
+                t_c = q.record("compute")
+                adam.update(states.p, g, states.m, states.v, host.half(i), inv, step, host.group(i), scalars.get(i))
+                compute_done = q.record("compute")
+            with q.on("d2h"):
+                q.wait("d2h", compute_done)
+                t_out = q.record("d2h")
+                host.live(i).copy_from(states)
+                slot.ready = q.record("d2h")
+            if h2d_span is not None:
+                trace.append(h2d_span)
+            trace += [("gpu", i, t_c, compute_done), ("d2h", i, t_out, slot.ready)]
+
+    def reset(self) -> None:
+        """After the step, once the lanes' streams are drained and the default stream waits on them."""
+        self._slots.clear()
+        self._fills = 0
+        self._prefetched.clear()
+
+
+class ResidentGpuLane:
+    def __init__(self, host: HostStates, grads: GradRouting, queues: Queues, lane_adam: LaneAdam,
+                 subgroups: tuple, device: torch.device):
+        self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
+        self._subgroups = subgroups
+        # The GPU copies (kept for the run), which of them match the host copies DeepSpeed holds (else uploaded
+        # before the next update), and which host copies are behind.
+        self._buffers: dict[int, Buffers] = {}
+        self._fresh: set = set()
+        self._stale: set = set()
+
+    def queue(self, inv: float, scalars: dict, trace: list) -> None:
+        """Queue every resident subgroup's update on the GPU copies, uploaded first only if the host copies
+        changed (the first step, a checkpoint load); nothing is written back."""
+        host, q = self._host, self._q
+        for i in self._subgroups:
+            n = host.numel(i)
+            buf = self._buffers.get(i)
+            h2d_done = None
+            if buf is None:
+                with q.on("compute"):  # kept for the run, so allocated where it is used
+                    buf = self._buffers[i] = empty_buffers(n, self._device)
+                self._fresh.discard(i)
+            if i not in self._fresh:
+                with q.on("h2d"):
+                    t_in = q.record("h2d")
+                    buf.copy_from(host.live(i))
+                    h2d_done = q.record("h2d")
+                trace.append(("h2d", i, t_in, h2d_done))
+                self._fresh.add(i)
+            g = self._grads.device.get(i)
+            with q.on("compute"):
+                if g is None:  # no gradient reached this subgroup: DeepSpeed's is zeros
+                    g = torch.zeros(n, device=self._device)
+                q.wait("compute", h2d_done)
+                step = host.advance(i)
+                t_c = q.record("compute")
+                self._adam.update(buf.p, g, buf.m, buf.v, host.half(i), inv, step, host.group(i), scalars.get(i))
+                trace.append(("gpu", i, t_c, q.record("compute")))
+            self._stale.add(i)
+
+    def sync_host(self) -> None:
+        """Bring the host copies up to date (DeepSpeed's checkpoints and fp32 accessors read those). Blocks until
+        the copies are done; a no-op when none is behind."""
+        if not self._stale:
+            return
+        q = self._q
+        with torch.no_grad(), q.on("d2h"):
+            q.wait("d2h", q.record("compute"))
+            for i in sorted(self._stale):
+                self._host.live(i).copy_from(self._buffers[i])
+        if q.cuda:
+            q.streams["d2h"].synchronize()
+        self._stale.clear()
+
+    def host_changed(self, i: Optional[int] = None) -> None:
+        """The host copies of subgroup i (None: all) were replaced or written: they are now the truth, and the GPU
+        copies are uploaded again before their next update."""
+        if i is None:
+            self._fresh.clear()
+            self._stale.clear()
+        else:
+            self._fresh.discard(i)
+            self._stale.discard(i)
+
+    def close(self) -> None:
+        self._buffers.clear()

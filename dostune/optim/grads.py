@@ -1,0 +1,205 @@
+"""Where each subgroup's gradients go at the end of backward, and where DeepSpeed's gradient accessors then find
+them.
+
+DeepSpeed copies every offloaded subgroup's gradient partition into its fp32 host buffer. Two kinds of subgroup
+keep them elsewhere instead, decided per subgroup whenever the lanes are planned (not per call):
+
+* GPU-lane subgroups with ``grads_on_gpu``: the partition is widened into a buffer on the device ("device"), so the
+  GPU lane does not stream it back in;
+* CPU-lane subgroups updated during backward: the CPU lane reads the half-precision copy DeepSpeed's
+  ``partition_grads`` already put in its pinned gradient-partition buffer ("half"), so DeepSpeed's fp32 conversion
+  and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
+
+Either way the gradient norm is recorded as DeepSpeed records it (see norms.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from ..errors import ConfigError
+from .norms import GradNorms
+from .queues import Queues
+from .schedule import Plan
+
+
+def _gradient_slices(opt) -> dict[int, tuple[int, int]]:
+    """Subgroup -> (start, length) in ``grad_partitions_flat_buffer``, which DeepSpeed fills with every parameter's
+    gradient partition in parameter order; {} unless each subgroup's part of it has exactly the layout of its fp32
+    partition (then the gradients can be read there without an fp32 copy)."""
+    buf = getattr(opt, "grad_partitions_flat_buffer", None)
+    if buf is None or buf.device.type != "cpu":
+        return {}
+    out, pos = {}, 0
+    for i, group in enumerate(opt.fp16_groups):
+        start = pos
+        for p in group:
+            n = p.partition_numel()
+            pid = opt.get_param_id(p)
+            if n and pid in opt.grad_position and (opt.grad_position[pid][0] != i
+                                                   or opt.grad_position[pid][1] != pos - start):
+                return {}
+            pos += n
+        if pos - start != int(opt.fp16_partitioned_groups_flat_numel[i]):
+            return {}
+        out[i] = (start, pos - start)
+    return out if pos == buf.numel() else {}
+
+
+class GradRouting:
+    def __init__(self, opt, norms: GradNorms, queues: Queues, device: torch.device, grads_on_gpu: bool):
+        self._opt, self._norms, self._queues, self._device = opt, norms, queues, device
+        self._grads_on_gpu = grads_on_gpu
+        # Where each subgroup's gradients lie in DeepSpeed's pinned gradient-partition buffer (start, length), when
+        # the layout there is the subgroup's own (checked at start-up): the CPU lane during backward reads them there.
+        self.slices = _gradient_slices(opt)
+        self.device: dict[int, torch.Tensor] = {}  # the GPU-lane subgroups' kept gradients, fp32 on the device
+        # Subgroups whose gradients this backward did not write to DeepSpeed's fp32 gradient buffer, and where they
+        # are instead: "device" or "half". DeepSpeed's gradient accessors read them there until the step.
+        self.home: dict[int, str] = {}
+        n = len(opt.fp16_groups)
+        self._keep: list[Optional[Callable]] = [None] * n  # None: DeepSpeed's own offload
+        self._final: list[Optional[Callable]] = [None] * n  # told each parameter whose gradient is final
+        self._skip_host_copy: frozenset = frozenset()
+
+    def param_ids(self, i: int) -> frozenset:
+        """Subgroup i's parameters that hold data on this rank: the same test DeepSpeed's partition_grads applies
+        (a parameter whose partition on this rank is empty never reaches the boundary hook)."""
+        opt = self._opt
+        return frozenset(opt.get_param_id(p) for p in opt.fp16_groups[i]
+                         if p.partition_numel() * opt._get_param_partition_rank(p) < p.ds_numel)
+
+    def host_grad(self, i: int) -> torch.Tensor:
+        """Subgroup i's gradients on the host as the CPU lane reads them during backward: DeepSpeed's pinned
+        half-precision copy when its layout allows, else DeepSpeed's fp32 buffer."""
+        sl = self.slices.get(i)
+        if sl is None:
+            return self._opt.fp32_partitioned_groups_flat[i].grad
+        return self._opt.grad_partitions_flat_buffer.narrow(0, *sl)
+
+    def set_plan(self, plan: Plan, in_backward: frozenset, on_final: Callable[[int, int], None]) -> None:
+        """Route each subgroup for the lanes of ``plan``; ``in_backward``: the subgroups the CPU lane updates during
+        backward, whose ``on_final(subgroup, parameter id)`` is called as each of their gradients is final."""
+        gpu = frozenset(plan.gpu_subgroups)
+        for i in range(len(self._keep)):
+            self._keep[i] = self._keep_device if (self._grads_on_gpu and i in gpu) else None
+            self._final[i] = None
+            if i in in_backward:
+                self._keep[i] = self._keep_half if i in self.slices else None
+                self._final[i] = on_final
+        # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
+        # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
+        # GPU lane holds the first layers) off the stream backward's end waits for.
+        self._skip_host_copy = gpu if (self._grads_on_gpu and self._opt.dtype != torch.float16) else frozenset()
+
+    def clear(self) -> None:
+        """After the step (or a skipped one): the kept gradients are spent."""
+        self.device.clear()
+        self.home.clear()
+
+    # ------------------------------------------------------------- in backward
+    def at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets) -> None:
+        """DeepSpeed's _offload_grad_partition_at_boundary, for one parameter whose gradient partition is final."""
+        opt = self._opt
+        pid = opt.get_param_id(param)
+        i, dest_offset, _ = opt.grad_position[pid]
+        keep = self._keep[i]
+        if keep is None:
+            DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary(
+                opt, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets)
+        else:
+            keep(i, pid, dest_offset, grad_buffer)
+        final = self._final[i]
+        if final is not None:
+            final(i, pid)
+
+    def _keep_half(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> None:
+        self._norms.record(pid, grad)
+        self.home[i] = "half"
+
+    def _keep_device(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> None:
+        self._norms.record(pid, grad)
+        self.home[i] = "device"
+        buf = self.device.get(i)
+        if buf is None:
+            buf = torch.zeros(self._opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
+                              device=self._device)
+            self.device[i] = buf
+        # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
+        buf.narrow(0, dest_offset, grad.numel()).copy_(grad, non_blocking=True)
+
+    def partition(self, params_to_release, grad_partitions) -> Optional[list]:
+        """DeepSpeed's partition_grads in the common case (a boundary micro-step that does not accumulate; None
+        otherwise). DeepSpeed copies each gradient partition into its pinned host buffer, then copies that back to
+        the GPU "to speed up the next operations" and hands the copy on. The copy back is bitwise the partition it
+        came from, so here the partition itself is handed on: 2 bytes per element less over PCIe during backward.
+        The host copy stays (DeepSpeed's overflow check and the CPU lane read it)."""
+        opt = self._opt
+        if not self.slices or opt.micro_step_id != 0 or not opt.is_gradient_accumulation_boundary():
+            return None
+        buffers = []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            if not param.partition_numel() * opt._get_param_partition_rank(param) < param.ds_numel:
+                param.grad = None  # this rank's partition is empty
+                continue
+            opt._offload_boundary_param_ids.add(param.ds_id)
+            i, dest_offset, _ = opt.grad_position[opt.get_param_id(param)]
+            grad_buffer = opt.grad_partitions_flat_buffer.narrow(0, self.slices[i][0] + dest_offset,
+                                                                 grad_partition.numel())
+            buffers.append(grad_buffer)
+            if i not in self._skip_host_copy:
+                grad_buffer.copy_(grad_partition, non_blocking=True)
+            self.at_boundary(param, grad_partition, {}, {})
+            if not get_accelerator().is_synchronized_device() and param.grad is not None:
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+        return buffers
+
+    # ------------------------------------------------- DeepSpeed's accessors
+    def fp32_partition(self, param) -> Optional[tuple]:
+        """(fp32 gradient partition, subgroup) of a parameter whose gradients are kept elsewhere (None: DeepSpeed's
+        buffer holds them). A device gradient is a view (a setter writes what the GPU lane will use); a
+        half-precision one is widened to fp32, the values DeepSpeed's buffer would hold."""
+        opt = self._opt
+        i, dest_offset, n = opt.grad_position[opt.get_param_id(param)]
+        home = self.home.get(i)
+        if home is None:
+            return None
+        if self._queues.cuda:
+            opt.reduce_and_partition_stream.synchronize()
+        if home == "device":
+            return self.device[i].narrow(0, dest_offset, n), i
+        return opt.grad_partitions_flat_buffer.narrow(0, self.slices[i][0] + dest_offset, n).float(), i
+
+    def _subgroup(self, param) -> int:
+        return self._opt.grad_position[self._opt.get_param_id(param)][0]
+
+    def check_writable(self, param) -> None:
+        """Refuse to change a gradient that an update started during backward has already read."""
+        if not param.requires_grad:
+            return
+        i = self._subgroup(param)
+        if self.home.get(i) == "half":
+            raise ConfigError(
+                f"dostune: the gradient of subgroup {i} cannot be changed between backward and step: with "
+                f"overlap_backward its update already started during backward. Set \"overlap_backward\": false "
+                f"in the dostune section to modify gradients before the step.")
+
+    def fill_partitions(self, grads: list) -> list:
+        """DeepSpeed's get_fp32_grad_partitions result with the subgroups kept elsewhere read where they are."""
+        if self.home:
+            for i, group in enumerate(self._opt.fp16_groups):
+                if i in self.home:
+                    for j, p in enumerate(group):
+                        grads[i][j] = self.fp32_partition(p)[0]
+        return grads
+
+    def refuse_vectorized_update(self, param_list) -> None:
+        """DeepSpeed's update_fp32_grad_for_param_vectorized rewrites the fp32 gradient buffers directly, which the
+        lanes do not read for the subgroups kept elsewhere: refused for those rather than silently ignored."""
+        if any(p.requires_grad and self._subgroup(p) in self.home for p in param_list):
+            raise ConfigError("dostune: update_fp32_grad_for_param_vectorized is not supported for subgroups on the "
+                              "GPU lane or updated during backward; use safe_set_full_grad / safe_set_local_grad")

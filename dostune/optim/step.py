@@ -1,0 +1,178 @@
+"""The interleaved step: everything dostune adds to one DeepSpeed ZeRO-3 optimizer, built once at start-up from the
+schedule (which lanes exist and in which form), and the order in which a step runs them.
+
+DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3.step()`` updates subgroups one after another: unscale/clip the
+subgroup's fp32 gradient, DeepSpeedCPUAdam, then a blocking pageable fp32->half copy into the GPU partition. Here the
+prologue (overflow check, global norm, loss-scale update) and epilogue (``_post_step``) are DeepSpeed's own helpers
+called in DeepSpeed's order, and in between the GPU lane is queued up front on its own streams, then the host runs
+the CPU lane, so CPU Adam, GPU Adam and both PCIe directions overlap. The math is DeepSpeed's: the same global-norm
+clipping and loss-scale/overflow handling, the same Adam/AdamW update from the same state.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
+
+from .adam_steps import AdamSteps
+from .cpu_lane import CpuBackwardLane, CpuStepLane
+from .gpu_lane import ResidentGpuLane, StreamedGpuLane
+from .grads import GradRouting
+from .host_state import HostStates
+from .kernels import LaneAdam
+from .norms import GradNorms
+from .pinned import PinRegistry
+from .queues import Queues
+from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
+from .swing import AdaptiveSplit, FixedSplit
+from .timeline import StepClock
+
+
+class InterleavedStep:
+    def __init__(self, opt, schedule: ScheduleConfig):
+        self.opt, self.schedule = opt, schedule
+        self.count = len(opt.fp16_groups)
+        plan = make_plan(self.count, schedule)
+        device = torch.device(get_accelerator().current_device_name())
+        self.queues = q = Queues(device, timing=schedule.trace)
+        self.pins = PinRegistry()
+        d = opt.optimizer.defaults
+        self.lane_adam = LaneAdam(device, d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
+                                  opt.optimizer.adam_w_mode)
+        self.host = HostStates(opt, self.pins, q.cuda, on_replaced=self.host_changed)
+        self.norms = GradNorms(opt, q)
+        self.grads = GradRouting(opt, self.norms, q, device, schedule.grads_on_gpu)
+        self.adam = AdamSteps(opt, self.host, self.lane_adam)
+        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, plan.resident, device)
+        self.streamed = StreamedGpuLane(self.host, self.grads, q, self.lane_adam, schedule.staging_buffers,
+                                        schedule.grads_on_gpu, device)
+        for i in range(self.count):
+            self.host.adopt(i)
+        # DeepSpeed page-locks its gradient-partition buffer only with offload_optimizer.pin_memory, and then as a
+        # power-of-two-rounded pinned copy; dostune's configs leave that off (footprint.py), so it is locked in place
+        # here: backward's gradient copies into it stay asynchronous.
+        flat = getattr(opt, "grad_partitions_flat_buffer", None)
+        if flat is not None:
+            self.pins.pin("grad_partitions", flat)
+        if updates_in_backward(plan, schedule):
+            self.cpu = CpuBackwardLane(opt, self.host, self.grads, self.norms, self.adam, q, self.pins, schedule,
+                                       device, plan)
+        else:
+            self.cpu = CpuStepLane(opt, self.host, q, schedule, device)
+        self.split = AdaptiveSplit(len(plan.swing_candidates), q) if plan.swing_candidates else FixedSplit()
+        self.clock = StepClock(q, schedule.trace)
+        self._set_plan(plan)
+
+    def _set_plan(self, plan: Plan) -> None:
+        """Use ``plan``'s lanes from the next backward on (at start-up, and between steps when the swing moves):
+        where that backward sends gradients (kept on the GPU or copied to the host) follows the new lanes."""
+        self.plan = plan
+        self._gpu_set = frozenset(plan.gpu_subgroups)
+        self.grads.set_plan(plan, self.cpu.in_backward(plan), self.cpu.grad_final)
+        self.cpu.set_plan(plan)
+        self.streamed.set_plan(plan)
+
+    def host_changed(self, i=None) -> None:
+        """DeepSpeed's host copies of subgroup i (None: all) were replaced or written."""
+        self.resident.host_changed(i)
+
+    def close(self) -> None:
+        self.cpu.close()
+        self.pins.close()
+        self.lane_adam.close()
+        self.resident.close()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        opt = self.opt
+        self.clock.start()
+        self.streamed.prefetch()
+        opt._pre_step()
+        # DeepSpeed releases every gathered parameter first (_partition_all_parameters: ~50 ms of Python for
+        # gpt2-1.3b on the H100, the GPU idle). It neither reads the gradients nor writes the partitions the lanes
+        # update, so the global norm comes first and the lanes run while the host releases the parameters; the
+        # values are the same either way.
+
+        # Same order as DeepSpeed: raw overflow first, then the global norm, then the loss-scale update (which skips
+        # the step and clears gradients on overflow).
+        opt._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_global_grad_norm = None
+        if not opt.overflow:
+            opt._apply_muon_to_accumulated_grads()
+            scaled_global_grad_norm = combine_grad_norm_groups(opt._get_norm_groups())
+            if is_invalid_grad_norm(scaled_global_grad_norm):
+                opt.overflow = True
+        if opt._loss_scale_update_and_overflow_cleanup():
+            self.queues.drain()  # the staging slots filled at the step's start may still be in flight
+            self.grads.clear()
+            self.streamed.reset()
+            self.cpu.skip()
+            opt._partition_all_parameters()
+            return
+        opt._global_grad_norm = scaled_global_grad_norm / opt.loss_scale
+
+        timer_names = {OPTIMIZER_STEP_TIMER}
+        opt.timers(OPTIMIZER_STEP_TIMER).start()
+        self.adam.sync_beta_powers()
+        t0 = time.perf_counter()
+        self._update(self._combined_scale(scaled_global_grad_norm), opt._partition_all_parameters)
+        self.adam.step_done()
+        opt.timers(OPTIMIZER_STEP_TIMER).stop()
+        opt._post_step(timer_names)
+        self.clock.close(t0)
+
+    def _combined_scale(self, total_norm):
+        # The same expression as DeepSpeed's unscale_and_clip_grads, so both lanes use its exact value.
+        opt = self.opt
+        combined_scale = opt.loss_scale
+        if opt.clip_grad > 0.:
+            clip = ((total_norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * opt.loss_scale
+        return combined_scale
+
+    @torch.no_grad()
+    def _update(self, combined_scale, host_work) -> None:
+        """Both lanes for this step; ``host_work`` runs on the host once the GPU lane is queued and the CPU lane
+        has the real factor, i.e. while both lanes work."""
+        q = self.queues
+        inv = 1. / combined_scale  # the CPU lane at the step multiplies by it as DeepSpeed does
+        inv_f = float(inv)  # fp32 value; multiplying an fp32 tensor by it equals DeepSpeed's mul_(tensor)
+        inv32 = float(np.float32(inv_f))  # what the speculative updates' factor is compared with
+        trace: list = []
+        q.after_current()
+        for i in range(self.count):  # keep host state pinned after a checkpoint load replaced it
+            self.host.ensure_pinned(i)
+        self.split.start()
+        self.cpu.before_gpu()
+        scalars = self.adam.scalars(self._gpu_set)
+        self.resident.queue(inv_f, scalars, trace)  # first: they need no copy, so they run while the others stream
+        self.streamed.queue(inv_f, scalars, trace)
+        self.split.gpu_queued()
+        self.cpu.start(inv32)
+        host_work()
+        self.clock.mark("queued")
+        self.cpu.finish(inv, inv32, trace)
+        for i in range(self.count):
+            self.opt._unflatten_partitioned_parameters(i)
+        q.join()
+        self.clock.mark("joined")
+        self.grads.clear()
+        self.streamed.reset()  # safe: the lanes' streams are drained and the default stream waits on them
+        self.clock.record(trace)
+        swing = self.split.decide(trace, len(self.plan.gpu_slots))
+        if swing is not None:
+            self._set_plan(make_plan(self.count, self.schedule, swing=swing))
+
+    # ------------------------------------------------------------ reporting
+    @property
+    def overlap_stats(self) -> dict:
+        return self.cpu.stats
+
+    @property
+    def swing_stats(self) -> dict:
+        return {"steps_by_swing": dict(sorted(self.split.steps_by_swing.items())), "swing": self.split.swing}

@@ -1,0 +1,73 @@
+"""``adaptive_swing`` at run time: measures each step's lane ends and asks balance.py's decision how many of the GPU
+lane's streamed subgroups the CPU lane takes next. ``FixedSplit`` stands in when the schedule has no swing, so the
+step calls the same three methods either way."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from .balance import LaneBalance, LaneTimes, lane_times
+from .queues import Queues
+
+
+class FixedSplit:
+    def __init__(self):
+        self.swing = 0
+        self.steps_by_swing: dict[int, int] = {}
+
+    def start(self) -> None:
+        pass
+
+    def gpu_queued(self) -> None:
+        pass
+
+    def decide(self, trace: list, streamed: int) -> Optional[int]:
+        return None
+
+
+class AdaptiveSplit:
+    def __init__(self, max_swing: int, queues: Queues):
+        self._q = queues
+        self.balance = LaneBalance(max_swing)
+        self.swing = 0  # streamed GPU-lane subgroups the CPU lane has now
+        self.steps_by_swing: dict[int, int] = {}
+        # the last cost of one subgroup seen in each lane's step (what one more costs a lane that ran none this step)
+        self._cost: dict = {}
+        self._origin: Optional[tuple] = None
+        self._gpu_ends: list = []
+
+    def start(self) -> None:
+        """Called once the gradient norm has been copied to the host: the GPU has caught up, so an event recorded
+        now runs at about this host time, and the lanes' ends are measured from it."""
+        self._origin = None
+        if self._q.cuda:
+            self._origin = (torch.cuda.Event(enable_timing=True), time.perf_counter())
+            self._origin[0].record()
+
+    def gpu_queued(self) -> None:
+        self._gpu_ends = [self._q.record(lane, timing=True) for lane in ("compute", "d2h")] \
+            if self._origin is not None else []
+
+    def _times(self, trace: list, streamed: int) -> Optional[LaneTimes]:
+        """This step's lane ends (None where they cannot be measured: no CUDA, or no cost of one more subgroup known
+        yet for a lane)."""
+        if self._origin is None:
+            return None
+        ev0, t0 = self._origin
+        for e in self._gpu_ends:
+            e.synchronize()  # join() waits for the copies back on the host, the compute lane only on the GPU
+        gpu_end = max(ev0.elapsed_time(e) for e in self._gpu_ends) / 1e3
+        spans = [(a - t0, b - t0) for lane, _, a, b in trace if lane == "cpu"]
+        return lane_times(spans, gpu_end, streamed, self._cost)
+
+    def decide(self, trace: list, streamed: int) -> Optional[int]:
+        """After the step: the swing for the next step if it changes, else None. ``streamed``: the GPU-lane
+        subgroups that streamed their states this step."""
+        self.steps_by_swing[self.swing] = self.steps_by_swing.get(self.swing, 0) + 1
+        swing = self.balance.observe(self._times(trace, streamed))
+        if swing == self.swing:
+            return None
+        self.swing = swing
+        return swing
