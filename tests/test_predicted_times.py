@@ -26,7 +26,7 @@ def test_predictions_match_the_pinned_file(current):
 def test_every_schedule_feature_and_both_profile_kinds_are_pinned(current):
     cases = current["cases"].values()
     used = {k for c in cases for k in c["schedule"]}
-    assert {"gpu_fraction", "overlap_backward", "resident_subgroups", "backward_gpu_subgroups", "adaptive_swing",
+    assert {"gpu_fraction", "overlap_backward", "resident_subgroups", "adaptive_swing",
             "grads_on_gpu", "upload", "staging_buffers", "gpu_placement"} <= used
     assert any(c["predicted"]["iter_s"] is None for c in cases)  # node profile only: the step alone
     assert all(c["predicted"]["step_s"] > 0 for c in cases)

@@ -44,7 +44,7 @@ class Case:
 _GPT2_1_3B = "h100-pcie5-gpt2-1.3b-b8-s1024.json"
 _GPT2_2_7B = "h100-pcie5-gpt2-2.7b-b8-s1024.json"
 # Each schedule feature the model prices: lanes, placement, staging, upload, where gradients stay, overlap with
-# backward, resident subgroups, the GPU lane during backward, adaptive swing; two sub_group_sizes.
+# backward, resident subgroups, adaptive swing; two sub_group_sizes.
 SCHEDULES = (
     {"gpu_fraction": 0.0},
     {"gpu_fraction": 0.25},
@@ -52,7 +52,6 @@ SCHEDULES = (
      "grads_on_gpu": False},
     {"gpu_fraction": 0.4, "overlap_backward": True},
     {"gpu_fraction": 0.4, "overlap_backward": True, "resident_subgroups": 1},
-    {"gpu_fraction": 0.4, "overlap_backward": True, "backward_gpu_subgroups": 2},
     {"gpu_fraction": 0.5, "overlap_backward": True, "adaptive_swing": 3, "cpu_threads": 8},
 )
 CASES = tuple(
