@@ -151,3 +151,26 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     bad = settings.model_copy(update={"model": "no-such-model"})
     with pytest.raises(gate.GateError, match=r"worker stopped \(exit 1\).*unknown model 'no-such-model'"):
         gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=bad))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_slowdown_switch_wraps_the_cpu_lane_once_and_changes_no_result(monkeypatch, overlap):
+    """Read when the optimizer adopts its schedule (unset afterwards, the lane stays slowed), in both forms of the
+    CPU lane; the slowed lane computes exactly what DeepSpeed does."""
+    from dostune.optim.schedule import ScheduleConfig
+    from parity_helpers import base_settings, reference, rel_diff, run
+
+    seen = []
+
+    def adopted(opt):
+        monkeypatch.delenv(slowdown.SLOW_CPU_LANE_ENV)
+        lane = opt._dos.cpu
+        seen.append(getattr(lane.worker._update if overlap else lane._adam_step, "__wrapped__", None))
+
+    train = base_settings(precision="bf16")
+    monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, "0.5")
+    ours = run(train, ScheduleConfig(gpu_fraction=0.4, overlap_backward=overlap), steps=3, adjust=adopted)
+    assert seen[0] is not None
+    ref = reference(train, steps=3)
+    assert ours["type"] == "InterleavedZeroOptimizer" and rel_diff(ours["weights"], ref["weights"]) == 0

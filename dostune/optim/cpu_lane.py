@@ -24,6 +24,7 @@ from .overlap import BackwardOverlap, StepOutcome, SubgroupIO
 from .pinned import PinRegistry
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig
+from .slowdown import cpu_lane_slowdown, slowed
 
 
 class _InlineUpload:
@@ -93,6 +94,7 @@ class _HalfUpload:
 class CpuStepLane:
     def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device):
         self._opt, self._host = opt, host
+        self._adam_step = slowed(opt._optimizer_step, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._threads = schedule.cpu_threads
         if not queues.cuda:
             self._upload = _InlineUpload()
@@ -137,7 +139,7 @@ class CpuStepLane:
         for k, i in enumerate(self._order):
             c0 = time.perf_counter()
             host.grad(i).mul_(inv)  # DeepSpeed's unscale_and_clip_grads, with the same factor
-            self._opt._optimizer_step(i)  # DeepSpeed's own DeepSpeedCPUAdam call for this subgroup
+            self._adam_step(i)  # DeepSpeed's own DeepSpeedCPUAdam call for this subgroup
             trace.append(("cpu", i, c0, time.perf_counter()))
             up.send(k, i, host.live(i).p, host.half(i), trace)
         up.end()
@@ -168,6 +170,7 @@ class CpuBackwardLane:
         self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
                                       schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
         self.worker.reserve(list(plan.swing_candidates))
+        self.worker._update = slowed(self.worker._update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
         self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
 
