@@ -15,7 +15,8 @@ from ._version import __version__
 from .errors import ConfigError, DostuneError, NotAvailable, ProfileError
 from .profile.node import NodeProfileOptions, measure_node
 from .optim.api import HFTrainerCallback, attach, initialize
-from .profile.record import NodeProfile, load_node_profile, save_record
+from .profile.record import NodeProfile, load_node_profile
+from .records import save_record
 
 __all__ = [
     "__version__", "DostuneError", "ProfileError", "ConfigError", "NotAvailable",

@@ -15,12 +15,24 @@
 #   refusals:MODEL      the launches that must stop before any engine, one line and exit 2 each: the tuned config in
 #                       another world (GPUS+1 ranks if the node has them, else 1 rank when GPUS > 1), more ranks than
 #                       GPUs, a hostfile naming a node that does not exist -> $OUT/refusals-MODEL.txt
+#   validate:MODEL[:ARGS]  the performance model on MODEL: dostune profile --model (micro-batch 8, seq 1024), then
+#                       dostune tune --validate $VALIDATE (default 3) from it and $OUT/node.json (the profile step
+#                       first): ZeRO-Offload and the best schedules run beside their predictions, phase by phase
+#                       -> $OUT/validate-NAME/{model-profile.json,tune.json,validation.png,ds_config.json}. ARGS (+ for
+#                       spaces) go to both commands: flags they share, e.g. --micro-batch+16+--activation-checkpointing.
+#                       MODEL is a preset or hf=PATH (a Hugging Face config file; NAME is its file name)
+#   report              every validated model against the bounds (median error of iteration <= 10%, of the step <= 20%,
+#                       for dostune and ZeRO-Offload) -> $OUT/validation-report.md; fails when one misses
 # Example, the whole flow for gpt2-1.3b, every method measured twice in reverse order (drift-cancelling):
 #   bash scripts/gpu-bench.sh env profile model:gpt2-1.3b tune:gpt2-1.3b bench:gpt2-1.3b:--rounds+2
 # Several GPUs of one node (docs/multi-gpu.md): GPUS=N runs model:, bench: and train: under DeepSpeed's launcher
 # (`deepspeed --num_gpus N`) and tunes with --num-gpus N; `profile` measures every GPU it sees together. E.g.
 #   GPUS=2 bash scripts/gpu-bench.sh env profile model:gpt2-1.3b tune:gpt2-1.3b \
 #     bench:gpt2-1.3b:--methods+zero-offload,twin-flow-mem,dostune train:gpt2-1.3b refusals:gpt2-1.3b
+# The performance model on four models of both families, 0.7B-7B, each profiled, tuned and validated on this node
+# (docs/performance-model.md, "Validating"):
+#   bash scripts/gpu-bench.sh env profile validate:gpt2-760m validate:llama-1.1b validate:gpt2-2.7b \
+#     validate:llama-7b:--micro-batch+16+--activation-checkpointing report
 # NODE (default: the short host name) names the node in the profiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +44,7 @@ OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 NODE=${NODE:-$(hostname -s)}
 GPUS=${GPUS:-1}
 PORT=${PORT:-29531}
+VALIDATE=${VALIDATE:-3}
 rc=0
 launch() {  # MODULE ARGS...: one process, or N ranks under DeepSpeed's launcher
   local module=$1; shift
@@ -99,12 +112,31 @@ for step in "$@"; do
         --hostfile "$OUT/hostfile-missing-node" --output-dir "$OUT/tune-refused"
       [ ! -e "$OUT/tune-refused" ] || { echo "tune-refused was written"; rc=1; }
       cat "$REFUSALS" ;;
+    validate:*)
+      split "${step#validate:}"
+      name=$model
+      case "$model" in hf=*) name=$(basename "${model#hf=}" .json); model="hf:${model#hf=}" ;; esac
+      dir="$OUT/validate-$name"
+      if [ ! -f "$OUT/node.json" ]; then echo "validate needs $OUT/node.json: run the profile step first" >&2; rc=1
+      else
+        mkdir -p "$dir"
+        dostune profile --model "$model" --micro-batch 8 --seq 1024 --name "$NODE" \
+          --output "$dir/model-profile.json" --plot "$dir/model-profile.png" --force $args \
+        && dostune tune --model "$model" --profile "$OUT/node.json" --model-profile "$dir/model-profile.json" \
+          --validate "$VALIDATE" --output-dir "$dir" --storage "sqlite:///$dir/study.db" $args \
+          2>&1 | tee "$dir/tune.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      fi ;;
+    report)
+      python -m dostune.tune.validation_report "$OUT"/validate-*/tune.json --output "$OUT/validation-report.md" \
+        || rc=1 ;;
     check:*)
       model=${step#check:}
       dostune check --baseline "${BASELINE:-results/h100/bench-$model.json}" --ratio-only --max-regression 15% \
         --junit "$OUT/check-$model.xml"
       code=$?; echo "check exit code: $code"; [ $code -eq 0 ] || rc=1 ;;
-    *) echo "unknown step $step (env, tests, profile, model:M, tune:M, bench:M[:ARGS], check:M, train:M, refusals:M)" >&2
+    *) echo "unknown step $step (env, tests, profile, model:M, tune:M, bench:M[:ARGS], check:M, train:M, refusals:M," \
+         "validate:M[:ARGS], report)" >&2
        rc=2 ;;
   esac
 done

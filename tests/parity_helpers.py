@@ -49,7 +49,8 @@ def run(train: TrainSettings, schedule: ScheduleConfig | None, steps: int = STEP
            "grad_norm": float(engine.optimizer._global_grad_norm),
            "type": type(engine.optimizer).__name__, "subgroups": len(engine.optimizer.fp16_groups),
            "global_steps": engine.global_steps, "skipped": engine.skipped_steps,
-           "overlap": getattr(engine.optimizer, "dostune_overlap_stats", None)}
+           "overlap": getattr(engine.optimizer, "dostune_overlap_stats", None),
+           "pressure": getattr(engine.optimizer, "dostune_pressure_stats", None)}
     engine.destroy()
     return out
 

@@ -55,7 +55,7 @@ def test_engines_are_freed_between_methods(tiny_bench):
 
 
 def test_result_round_trip_and_renderings(tiny_bench, tmp_path):
-    from dostune.profile.record import save_record
+    from dostune.records import save_record
 
     res, _ = tiny_bench
     path = save_record(res, tmp_path / "bench.json")

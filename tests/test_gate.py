@@ -166,7 +166,7 @@ def test_the_slowdown_switch_wraps_the_cpu_lane_once_and_changes_no_result(monke
     def adopted(opt):
         monkeypatch.delenv(slowdown.SLOW_CPU_LANE_ENV)
         lane = opt._dos.cpu
-        seen.append(getattr(lane.worker._update if overlap else lane._adam_step, "__wrapped__", None))
+        seen.append(getattr(lane.worker._update if overlap else lane._update, "__wrapped__", None))
 
     train = base_settings(precision="bf16")
     monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, "0.5")

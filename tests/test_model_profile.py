@@ -4,7 +4,7 @@ from typer.testing import CliRunner
 from dostune.cli.app import app
 from dostune.profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
 from dostune.profile.model_record import load_model_profile
-from dostune.profile.record import save_record
+from dostune.records import save_record
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +53,31 @@ def test_round_trip_and_plot(prof, tmp_path):
 def test_cli_model_profile_bad_model():
     r = CliRunner().invoke(app, ["profile", "--model", "gpt9-huge"])
     assert r.exit_code == 2 and "unknown model" in r.output
+
+
+def test_schema_3_measures_the_models_coefficients(prof):
+    """What the performance model takes from a model profile besides the phases (docs/performance-model.md): all
+    measured here on the CPU at a tiny size; tests/test_gpu.py measures them on a GPU."""
+    from dostune.perfmodel.coefficients import Coefficients
+    from dostune.perfmodel.inputs import ModelInputs, NodeInputs
+    from dostune.profile.paths import shipped_profile
+    from dostune.profile.record import load_node_profile
+    from dostune.profile.step_parts import PROLOGUE
+
+    assert prof.schema_version == 3 and prof.offload_pin_memory is True and prof.offload_pinned
+    # the iteration that records the timeline is not among the timed ones
+    assert all(p.time_s.n == 2 for p in prof.phases.values())
+    assert prof.backward_no_copy_s.n == 2 and prof.backward_no_copy_s.median > 0
+    lane = prof.backward_lane
+    assert lane.threads >= 1 and lane.elements == 65_536 and lane.lane_beside_s.n >= 1
+    assert lane.lane_alone_s.median > 0 and lane.backward_s.n == 2
+    assert set(PROLOGUE) | {"_post_step", "engine"} <= set(prof.step_parts_s)
+    assert all(v >= 0 for v in prof.step_parts_s.values())
+    sizes = [s.numel for s in prof.subgroups]
+    assert [p.size for p in prof.ds_cpu_adam.points] == sizes and [p.size for p in prof.ds_unscale.points] == sizes
+    assert all(p.seconds.n == 2 and p.threads >= 1 for p in prof.ds_cpu_adam.points)
+    m = ModelInputs.from_profile(prof)
+    assert m.bwd_no_copy_s and m.bwd_beside_lane_s and m.step_shares is not None
+    c = Coefficients.of(NodeInputs.from_profile(load_node_profile(shipped_profile())), m, sizes)
+    assert not [n for n in c.notes if "re-profile the model" in n]
+    assert c.backward.compute_s == prof.backward_no_copy_s.median

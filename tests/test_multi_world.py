@@ -125,8 +125,8 @@ def test_a_concurrent_cpu_adam_measurement_replaces_the_derivation():
     assert any("2 processes at once measured" in n for n in notes)
 
 
-def test_schema_1_profiles_still_load_and_new_ones_are_schema_2():
-    assert NODE_SCHEMA_VERSION == 2
+def test_schema_1_profiles_still_load_and_new_ones_are_schema_3():
+    assert NODE_SCHEMA_VERSION == 3  # 3: the pageable device-to-host copies (the performance model's backward)
     p = load_node_profile(shipped_profile())
     assert p.schema_version == 1 and p.multi_gpu is None and p.cpu_adam.concurrent == {} and p.host.gpus is None
     m = load_model_profile(MODEL_PROFILE)

@@ -3,18 +3,19 @@ import math
 import pytest
 
 from dostune.optim.schedule import ScheduleConfig
-from dostune.perfmodel.inputs import Cost, NodeInputs
-from dostune.perfmodel.model import (BACKWARD_CPU_SLOWDOWN, _advance, best_gpu_fraction, ds_offload_step_lanes,
-                                     grad_ready_fractions, predict_memory, simulate_step)
-from dostune.perfmodel.inputs import ModelInputs
+from dostune.perfmodel.coefficients import FALLBACK_LANE_BACKWARD_SLOWDOWN
+from dostune.perfmodel.inputs import Cost, ModelInputs, NodeInputs
+from dostune.perfmodel.memory import grad_ready_fractions, predict_memory
+from dostune.perfmodel.model import _advance, best_gpu_fraction, simulate_step
 from dostune.perfmodel.subgroups import subgroup_sizes
+from dostune.perfmodel.zero_offload import ds_offload_step_lanes
 
 
 def node(h2d=50e9, d2h=50e9, duplex=40e9, cpu=4e9, gpu=100e9, unscale=20e9, conv_cpu=10e9, conv_gpu=500e9,
          contention=1.0, overhead=0.0):
     c = lambda r: Cost(overhead_s=overhead, rate=r)  # noqa: E731
     return NodeInputs(node="hand", h2d=c(h2d), d2h=c(d2h), h2d_duplex=c(duplex), d2h_duplex=c(duplex),
-                      h2d_pageable=c(5e9), cpu_adam={8: c(cpu / 2), 16: c(cpu)}, best_threads=16, default_threads=16,
+                      h2d_pageable=c(5e9), d2h_pageable=c(4e9), cpu_adam={8: c(cpu / 2), 16: c(cpu)}, best_threads=16, default_threads=16,
                       gpu_adam=c(gpu), convert_cpu=c(conv_cpu), convert_gpu=c(conv_gpu), unscale_cpu=c(unscale),
                       contention=contention, contention_gbps=80.0)
 
@@ -56,7 +57,8 @@ def test_overlap_backward_by_hand():
     n = node()
     sizes = [1_000_000_000, 1_000_000_000]
     sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
-    cpu = (1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9) * BACKWARD_CPU_SLOWDOWN  # unscale + Adam + convert, in backward
+    # unscale + Adam + convert, in backward (with 15 threads: the profiled 16's rates)
+    cpu = (1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9) * FALLBACK_LANE_BACKWARD_SLOWDOWN
     # 2 s of backward; subgroup 1 (last layers) is final 10% in, subgroup 0 at 60%: both finish inside backward
     p = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[0.6, 0.1])
     spans = {x.subgroup: x for x in p.spans if x.lane == "cpu"}
@@ -67,6 +69,15 @@ def test_overlap_backward_by_hand():
     late = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.1])
     plain = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9
     assert late.lanes_s == pytest.approx(plain + 2e9 / 50e9)  # + its half-precision upload
+    # the lane's kernel alone at 0.8 of the node's CPU-lane time: what it has left for the step goes that much faster;
+    # during backward it runs 1.2 times the node's
+    from dostune.perfmodel.coefficients import StepShape
+
+    shape = StepShape(lane_step_slowdown=0.8, lane_backward_slowdown=1.2)
+    measured = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[1.0, 0.1], shape=shape)
+    assert measured.lanes_s == pytest.approx(0.8 * plain + 2e9 / 50e9)
+    first = next(x for x in measured.spans if x.lane == "cpu" and x.subgroup == 1)
+    assert first.end - first.start == pytest.approx(1.2 * plain)
     # without readiness (no model profile) the CPU lane runs in the step as before
     assert simulate_step(sizes, sched, n).lanes_s == simulate_step(sizes, ScheduleConfig(gpu_fraction=0.0,
                                                                                          cpu_threads=16), n).lanes_s
@@ -150,7 +161,8 @@ def test_memory_prediction():
 
 
 def test_step_prefetch_during_deepspeeds_prologue_by_hand():
-    from dostune.perfmodel.model import STEP_PROLOGUE_SHARE, STEP_RELEASE_SHARE
+    from dostune.perfmodel.coefficients import FALLBACK_PROLOGUE_SHARE as STEP_PROLOGUE_SHARE
+    from dostune.perfmodel.coefficients import FALLBACK_RELEASE_SHARE as STEP_RELEASE_SHARE
 
     n = node()
     sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1)

@@ -5,7 +5,8 @@ import pytest
 from dostune.errors import ProfileError
 from dostune.profile.node import NodeProfileOptions, measure_node
 from dostune.profile.record import (NODE_SCHEMA_VERSION, LinearCost, Sample, fit_series, load_node_profile,
-                                    node_profile_schema, save_record)
+                                    node_profile_schema)
+from dostune.records import save_record
 from dostune.stats import Stat, linear_fit
 
 
@@ -123,7 +124,7 @@ def test_written_files_get_the_usual_mode(tmp_path):
     """Not mkstemp's 0600: a profile or a result is for others to read (0644 under the common umask 022)."""
     import os
 
-    from dostune.profile import record
+    from dostune import records as record
 
     old = os.umask(0o022)
     record._file_mode.cache_clear()

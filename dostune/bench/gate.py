@@ -42,9 +42,10 @@ import time
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from ..errors import DostuneError, ProfileError
+from ..records import Record
 
 GATE_KIND = "dostune.gate"
 GATE_SCHEMA_VERSION = 1
@@ -55,11 +56,7 @@ GATE_SCHEDULE = {"gpu_fraction": 0.17, "gpu_placement": "spread", "overlap_backw
                  "backward_cpu_threads": 1}
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class GateSettings(_Record):
+class GateSettings(Record):
     """What each worker builds and how the two are timed."""
 
     model: str = "ci-gate"
@@ -79,7 +76,7 @@ class GateSettings(_Record):
     quantile: float = Field(0.2, gt=0, lt=1)
 
 
-class GateBaseline(_Record):
+class GateBaseline(Record):
     """The committed gate baseline (results/ci-cpu/gate.json): the commit whose dostune is the reference."""
 
     schema_version: int = GATE_SCHEMA_VERSION
@@ -321,22 +318,14 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
 
 
 def load_gate(path) -> GateBaseline:
-    from pydantic import ValidationError
+    from ..records import load_record
 
-    from ..profile.record import _format_validation_error, check_version, read_json_record
-
-    data = read_json_record(path, "gate baseline")
-    check_version(data, path, GATE_KIND, GATE_SCHEMA_VERSION)
-    try:
-        return GateBaseline.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(_format_validation_error(str(path), e).replace("dostune profile", "dostune gate baseline")
-                           ) from None
+    return load_record(path, GateBaseline, "gate baseline", GATE_KIND, GATE_SCHEMA_VERSION)
 
 
 def is_gate_record(path) -> bool:
     """Whether a JSON record names itself a gate baseline (anything else is read as a bench result)."""
-    from ..profile.record import read_json_record
+    from ..records import read_json_record
 
     try:
         return read_json_record(path, "baseline").get("kind") == GATE_KIND
@@ -381,7 +370,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "worker":
         return worker(args.settings)
-    from ..profile.record import atomic_write_text
+    from ..records import atomic_write_text
 
     try:
         base = pin(args.commit, args.why)

@@ -122,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     current = compute()
     if args.write is not None:
-        from ..profile.record import atomic_write_text
+        from ..records import atomic_write_text
 
         atomic_write_text(args.write, json.dumps(current, indent=2, sort_keys=True) + "\n")
         print(f"wrote {len(current['cases'])} pinned predictions to {args.write}")

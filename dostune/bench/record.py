@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from ..profile.record import check_version, read_json_record
+from ..records import Record, Span, load_record
 from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
@@ -15,18 +15,7 @@ READABLE_VERSIONS = (1, 2, 3)
 BENCH_KIND = "dostune.bench"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Span(_Record):
-    lane: str
-    subgroup: int
-    start: float
-    end: float
-
-
-class RankFigures(_Record):
+class RankFigures(Record):
     """One rank's medians and peak memory, under the launcher."""
 
     rank: int
@@ -37,7 +26,7 @@ class RankFigures(_Record):
     peak_gpu_gib: Optional[float] = None
 
 
-class MethodResult(_Record):
+class MethodResult(Record):
     """One method's figures: medians over the timed iterations, with spread. Under the launcher: the slowest rank's
     (the one with the longest median iteration), its peak memory the highest of any rank, and every rank's own
     figures in ``ranks`` (the first round's)."""
@@ -69,7 +58,7 @@ class MethodResult(_Record):
     slowest_rank: Optional[int] = None
 
 
-class BenchResult(_Record):
+class BenchResult(Record):
     schema_version: int = BENCH_SCHEMA_VERSION
     kind: Literal["dostune.bench"] = BENCH_KIND
     created: str
@@ -114,16 +103,6 @@ class BenchResult(_Record):
 
 
 def load_bench(path) -> BenchResult:
-    from pydantic import ValidationError
-
-    from ..errors import ProfileError
-    from ..profile.record import _format_validation_error
-
-    data = read_json_record(path, "bench result")
-    check_version(data, path, BENCH_KIND, data.get("schema_version") if data.get("schema_version") in
-                  READABLE_VERSIONS else BENCH_SCHEMA_VERSION)
-    data["schema_version"] = BENCH_SCHEMA_VERSION
-    try:
-        return BenchResult.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(_format_validation_error(str(path), e).replace("dostune profile", "dostune bench result"))
+    # an older record is read as this version: its new fields take their defaults
+    return load_record(path, BenchResult, "bench result", BENCH_KIND, BENCH_SCHEMA_VERSION, READABLE_VERSIONS,
+                       upgrade=True)

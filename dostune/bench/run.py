@@ -38,7 +38,7 @@ from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
 from ..host_memory import fit_host_memory
-from .record import BenchResult, MethodResult, RankFigures, Span
+from .record import BenchResult, MethodResult, RankFigures
 
 METHODS: dict[str, str] = {
     "no-offload": "ZeRO-3 with the optimizer state on the GPU (ratio 0.0): the ceiling",
@@ -175,7 +175,8 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}}
 
 
-def _method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
+def method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
+    """The offload settings of bench method ``name`` (a dostune schedule's as the options give it)."""
     sgs = opts.sub_group_size
     if name == "no-offload":
         return OffloadSettings(sub_group_size=sgs, ratio=0.0)
@@ -219,8 +220,7 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
         timeline, description = [], opts.describe(name)
         if is_dostune(name):
             # Spans before 0 ran during backward (overlap_backward).
-            timeline = [Span(lane=s.lane, subgroup=s.subgroup, start=s.start, end=s.end)
-                        for s in engine.optimizer.dostune_last_trace]
+            timeline = list(engine.optimizer.dostune_last_trace)
             st = engine.optimizer.dostune_overlap_stats
             if st["steps"]:
                 description += (f"; overlap_backward: {st['speculative']} of {st['committed']} CPU-lane updates "
@@ -321,7 +321,7 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
     numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
     for name in methods:
         if is_dostune(name):
-            off = _method_offload(name, opts, None)
+            off = method_offload(name, opts, None)
             cfg = {"zero_optimization": {"sub_group_size": off.sub_group_size},
                    "dostune": off.schedule.model_dump(exclude_none=True)}
             v = opts.variant(name)
@@ -387,7 +387,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                     twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
             try:
-                off, note = fit_host_memory(name, _method_offload(name, opts, twin_ratio), numels, opts.precision,
+                off, note = fit_host_memory(name, method_offload(name, opts, twin_ratio), numels, opts.precision,
                                             host_available)
             except DostuneError as e:
                 res = MethodResult(method=name, description=opts.describe(name), ran=False, error=str(e))

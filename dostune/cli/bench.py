@@ -18,7 +18,7 @@ from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
-from ..profile.record import atomic_write_text, check_writable, read_json_record, save_record
+from ..records import atomic_write_text, check_writable, read_json_record, save_record
 from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 

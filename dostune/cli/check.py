@@ -10,7 +10,7 @@ from rich.table import Table
 from ..bench.check import CheckReport, UnusableInput, compare, compare_gate, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
-from ..profile.record import atomic_write_text, check_writable
+from ..records import atomic_write_text, check_writable
 from .common import err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json, quiet_stdout
 
 
@@ -135,7 +135,7 @@ def check(
         if current is not None:
             atomic_write_text(baseline, current.read_text())
         else:
-            from ..profile.record import save_record
+            from ..records import save_record
 
             save_record(cur, baseline)
         err_console.print(f"baseline {baseline} updated")

@@ -12,7 +12,8 @@ from rich.table import Table
 from ..errors import DostuneError
 from ..profile.identity import gpu_info
 from ..profile.node import NodeProfileOptions, default_name, measure_node
-from ..profile.record import check_writable, node_profile_schema, save_record
+from ..profile.record import node_profile_schema
+from ..records import check_writable, save_record
 from ..profile.summary import summary_rows
 from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 

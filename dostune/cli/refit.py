@@ -11,7 +11,7 @@ import typer
 from ..errors import DostuneError
 from ..models.registry import resolve_model
 from ..optim.schedule import ScheduleConfig
-from ..profile.record import atomic_write_text, check_writable, read_json_record
+from ..records import atomic_write_text, check_writable, read_json_record
 from ..tune.refit import refit as run_refit
 from .common import err_console, flag, handle_errors, print_json
 

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..bench.report import plot_timeline
-from ..profile.record import atomic_write_text, save_record
+from ..records import atomic_write_text, save_record
 from ..tune.record import TuneResult
 from ..errors import DostuneError, NotAvailable
 from ..optim.schedule import gpu_count
@@ -48,26 +48,37 @@ def render_trials(res: TuneResult) -> Table:
     return t
 
 
+def _bwd_parts(p) -> str:
+    if p.bwd_compute_s is None:
+        return "-"
+    return f"{p.bwd_compute_s:.3f} + {p.bwd_copies_s:.3f} + {p.bwd_interference_s:.3f}"
+
+
 def render_breakdown(res: TuneResult) -> Table:
     b, d = res.best.predicted, res.ds_offload
     t = Table(title="predicted phase breakdown (s)")
-    for col in ("", "forward", "backward", "step", "of which lanes", "CPU busy", "H2D busy", "D2H busy", "iteration"):
+    for col in ("", "forward", "backward", "= compute + copies + CPU lane", "step", "of which lanes", "CPU busy",
+                "H2D busy", "D2H busy", "iteration"):
         t.add_column(col, justify="right")
-    t.add_row("dostune (best)", _f(b.fwd_s), _f(b.bwd_s), _f(b.step_s), _f(b.lanes_s), _f(b.cpu_busy_s),
-              _f(b.h2d_busy_s), _f(b.d2h_busy_s), _f(b.iter_s))
+    t.add_row("dostune (best)", _f(b.fwd_s), _f(b.bwd_s), _bwd_parts(b), _f(b.step_s), _f(b.lanes_s),
+              _f(b.cpu_busy_s), _f(b.h2d_busy_s), _f(b.d2h_busy_s), _f(b.iter_s))
     if d is not None:
-        t.add_row(f"ZeRO-Offload (sub_group_size {res.ds_sub_group_size:.3g})", _f(d.fwd_s), _f(d.bwd_s), _f(d.step_s),
-                  _f(d.lanes_s), "", "", "", _f(d.iter_s))
+        form = {True: ", pinned", False: ", pageable", None: ""}[d.pinned]
+        step = " (measured)" if d.measured_step else ""
+        t.add_row(f"ZeRO-Offload (sub_group_size {res.ds_sub_group_size:.3g}{form})", _f(d.fwd_s), _f(d.bwd_s),
+                  _bwd_parts(d), _f(d.step_s) + step, _f(d.lanes_s), "", "", "", _f(d.iter_s))
     return t
 
 
 def render_validation(res: TuneResult) -> Table:
-    t = Table(title="measured vs predicted")
-    for col in ("schedule", "pred iter s", "meas iter s", "iter error", "pred step s", "meas step s", "meas peak GiB"):
+    t = Table(title="measured vs predicted (s; clipping off)")
+    for col in ("schedule", "fwd pred/meas", "bwd pred/meas", "step pred/meas", "iter pred/meas", "iter error",
+                "step error", "meas peak GiB"):
         t.add_column(col, justify="right")
     for v in res.validation:
-        t.add_row(v.label, _f(v.predicted_iter_s), _f(v.measured_iter_s), _f(v.iter_error, "{:.1%}"),
-                  _f(v.predicted_step_s), _f(v.measured_step_s), _f(v.measured_peak_gpu_gib, "{:.1f}"))
+        pm = [f"{_f(v.predicted(ph))}/{_f(v.measured(ph))}" for ph in ("fwd", "bwd", "step", "iter")]
+        t.add_row(v.label, *pm, _f(v.iter_error, "{:.1%}"), _f(v.step_error, "{:.1%}"),
+                  _f(v.measured_peak_gpu_gib, "{:.1f}"))
     return t
 
 
@@ -79,7 +90,7 @@ def tune(
     model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
                                                  "NODE-MODEL-bB-sS.json (NODE-MODEL-bB-sS-MxN.json for M nodes of N "
                                                  "GPUs) beside the node profile, if any."),
-    trials: int = typer.Option(50, min=1, help="Optuna trials (in total: a resumed study runs only the rest)."),
+    trials: int = typer.Option(100, min=1, help="Optuna trials (in total: a resumed study runs only the rest)."),
     sampler: str = typer.Option("tpe", help="Optuna sampler: " + ", ".join(SAMPLERS) + "."),
     seed: int = typer.Option(0, help="Sampler seed."),
     gpu_memory_budget: str = typer.Option("auto", help="GiB the schedule may stage on the GPU during the step; "
@@ -102,8 +113,9 @@ def tune(
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///OUTPUT_DIR/study.db."),
     study_name: Optional[str] = typer.Option(None, help="Study name (default: NODE-MODEL-bB). Re-running with the "
                                              "same name resumes the study."),
-    validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real and "
-                                 "report measured against predicted."),
+    validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real, "
+                                 "gradient clipping off as the model predicts, and report measured against predicted "
+                                 "per phase (tune.json's validation, validation.png)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
                                            "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
                                            "slots=N of each hostfile line). One rank per GPU; the model predicts one "
@@ -162,6 +174,10 @@ def tune(
                 res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
                                                 activation_checkpointing=activation_checkpointing)
     out = tune_output_dir(opts)
+    if res.validation:
+        from ..tune.validation_figure import plot_validation
+
+        res.validation_figure = str(plot_validation(res, out / "validation.png"))
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")
     best = res.best
@@ -179,7 +195,11 @@ def tune(
     err_console.print(render_breakdown(res))
     if res.validation:
         err_console.print(render_validation(res))
-        err_console.print(f"median iteration-time prediction error: [bold]{res.median_iter_error:.1%}[/]")
+        for method in ("dostune", "zero-offload"):
+            it, st = res.median_error("iter", method), res.median_error("step", method)
+            if it is not None:
+                err_console.print(f"{method}: median prediction error, iteration [bold]{it:.1%}[/], step "
+                                  f"[bold]{st:.1%}[/]; figure {res.validation_figure}", highlight=False)
     w = res.world
     if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
         ranks = w["gpus_per_node"]

@@ -22,6 +22,7 @@ from .host_state import HostStates
 from .norms import GradNorms
 from .overlap import BackwardOverlap, StepOutcome, SubgroupIO
 from .pinned import PinRegistry
+from .pressure import MemoryPressure
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig
 from .slowdown import cpu_lane_slowdown, slowed
@@ -40,18 +41,43 @@ class _InlineUpload:
         pass
 
 
-class _Fp32Upload:
-    """``gpu_convert``: the fp32 result goes up into a device buffer, converted there into the partition."""
+def deepspeed_update(opt, host: HostStates, i: int, inv, trace: list) -> None:
+    """DeepSpeed's own update of subgroup i in place in host memory, as its step loop runs it: the same unscale
+    (``inv``: the factor its unscale_and_clip_grads multiplies by), the same DeepSpeedCPUAdam call."""
+    c0 = time.perf_counter()
+    host.grad(i).mul_(inv)
+    opt._optimizer_step(i)
+    trace.append(("cpu", i, c0, time.perf_counter()))
 
-    def __init__(self, queues: Queues, device: torch.device):
-        self._q, self._device = queues, device
+
+def deepspeed_upload(i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
+    """DeepSpeed's own copy of the new params into the half-precision partition: blocking, converted on the host
+    (torch converts a blocking host-to-device copy there), so it needs no device memory."""
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    trace.append(("up", i, t0, time.perf_counter()))
+
+
+class _Fp32Upload:
+    """``gpu_convert``: the fp32 result goes up into a device buffer, converted there into the partition. A step
+    whose buffer the device cannot give (GPU memory pressure) uploads with DeepSpeed's own copy instead."""
+
+    def __init__(self, queues: Queues, device: torch.device, pressure: MemoryPressure):
+        self._q, self._device, self._pressure = queues, device, pressure
         self._staging: Optional[torch.Tensor] = None
 
     def begin(self, width: int, dtype: torch.dtype) -> None:
-        with self._q.on("up"):
-            self._staging = torch.empty(width, device=self._device)
+        try:
+            with self._q.on("up"):
+                self._staging = torch.empty(width, device=self._device)
+        except torch.OutOfMemoryError as e:
+            self._staging = None
+            self._pressure.upload_fell_back(width * 4, e)
 
     def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
+        if self._staging is None:
+            deepspeed_upload(i, src, dst, trace)
+            return
         q, n = self._q, src.numel()
         with q.on("up"):
             t_up = q.record("up")
@@ -92,14 +118,15 @@ class _HalfUpload:
 
 
 class CpuStepLane:
-    def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device):
+    def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device,
+                 pressure: MemoryPressure):
         self._opt, self._host = opt, host
-        self._adam_step = slowed(opt._optimizer_step, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
+        self._update = slowed(deepspeed_update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._threads = schedule.cpu_threads
         if not queues.cuda:
             self._upload = _InlineUpload()
         elif schedule.upload == "gpu_convert":
-            self._upload = _Fp32Upload(queues, device)
+            self._upload = _Fp32Upload(queues, device, pressure)
         else:
             self._upload = _HalfUpload(queues)
         self._order: list[int] = []
@@ -137,10 +164,7 @@ class CpuStepLane:
         host, up = self._host, self._upload
         up.begin(max(host.numel(i) for i in self._order), host.half(self._order[0]).dtype)
         for k, i in enumerate(self._order):
-            c0 = time.perf_counter()
-            host.grad(i).mul_(inv)  # DeepSpeed's unscale_and_clip_grads, with the same factor
-            self._adam_step(i)  # DeepSpeed's own DeepSpeedCPUAdam call for this subgroup
-            trace.append(("cpu", i, c0, time.perf_counter()))
+            self._update(self._opt, host, i, inv, trace)
             up.send(k, i, host.live(i).p, host.half(i), trace)
         up.end()
 

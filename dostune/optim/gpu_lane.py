@@ -58,6 +58,18 @@ class StreamedGpuLane:
     def _new_slot(self) -> _Slot:
         return _Slot(self._q, self._width, self._stream_grads, self._device)
 
+    def reserve(self) -> bool:
+        """Allocate this step's staging slots, before anything is queued into them. False, holding none, when the
+        device cannot give them all (another process took the memory): the step then plans without this lane's
+        streamed subgroups, none of which has been half queued."""
+        try:
+            while len(self._slots) < self._nslots:
+                self._slots[len(self._slots)] = self._new_slot()
+        except torch.OutOfMemoryError:
+            self._slots.clear()
+            return False
+        return True
+
     def _stage(self, i: int, slot: _Slot) -> tuple:
         """Queue subgroup i's states into ``slot`` once the slot is free; (start, done)."""
         q = self._q
@@ -72,13 +84,10 @@ class StreamedGpuLane:
         step's gradients or clipping factor, so the copies run while the host works through DeepSpeed's prologue
         (releasing the parameters, the gradient norm: about 40 ms for gpt2-1.3b on the H100), which used to leave
         the copy engines idle. Backward's activations are freed by now, so the slots do not raise peak memory. A
-        skipped step drains and drops them."""
-        firsts = self._plan.first_fills
-        while len(self._slots) < len(firsts):
-            gs = firsts[len(self._slots)]
+        skipped step drains and drops them. The slots are ``reserve``'s."""
+        for gs in self._plan.first_fills:
             self._host.ensure_pinned(gs.subgroup)  # a checkpoint load may have replaced the states
-            slot = self._slots[gs.slot] = self._new_slot()
-            self._prefetched[gs.subgroup] = self._stage(gs.subgroup, slot)
+            self._prefetched[gs.subgroup] = self._stage(gs.subgroup, self._slots[gs.slot])
 
     def _states_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
         """(event after which subgroup i's inputs are in the slot, its h2d span to trace after the update or None)
@@ -112,8 +121,8 @@ class StreamedGpuLane:
             done = q.record("h2d")
         return done, ("h2d", i, t_in, done)
 
-    def _kept_grad(self, i: int, slot: _Slot, n: int) -> Optional[torch.Tensor]:
-        return self._grads.device.get(i)
+    def _kept_grad(self, i: int, slot: _Slot, n: int) -> torch.Tensor:
+        return self._grads.device[i]
 
     def _streamed_grad(self, i: int, slot: _Slot, n: int) -> torch.Tensor:
         return slot.grad[:n]
@@ -127,16 +136,11 @@ class StreamedGpuLane:
             n = host.numel(i)
             idx = self._fills % self._nslots
             self._fills += 1
-            slot = self._slots.get(idx)
-            if slot is None:
-                slot = self._slots[idx] = self._new_slot()
+            slot = self._slots[idx]
             states = slot.states.head(n)
             # the step's prefetch filled slot k with the k-th
             h2d_done, h2d_span = self._bring_in(i, slot, states, self._prefetched.get(i), trace)
             g = self._grad_of(i, slot, n)
-            if g is None:  # no gradient reached this subgroup (e.g. unused parameters): DeepSpeed's is zeros
-                with q.on("compute"):
-                    g = torch.zeros(n, device=self._device)
             step = host.advance(i)
             with q.on("compute"):
                 q.wait("compute", h2d_done)
@@ -161,27 +165,42 @@ class StreamedGpuLane:
 
 class ResidentGpuLane:
     def __init__(self, host: HostStates, grads: GradRouting, queues: Queues, lane_adam: LaneAdam,
-                 subgroups: tuple, device: torch.device):
+                 device: torch.device):
         self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
-        self._subgroups = subgroups
+        self._subgroups: tuple = ()
         # The GPU copies (kept for the run), which of them match the host copies DeepSpeed holds (else uploaded
         # before the next update), and which host copies are behind.
         self._buffers: dict[int, Buffers] = {}
         self._fresh: set = set()
         self._stale: set = set()
 
+    def set_plan(self, plan: Plan) -> None:
+        self._subgroups = plan.resident
+
+    def reserve(self) -> frozenset:
+        """Allocate the GPU copies not made yet (at the first step; they are kept for the run), before anything is
+        queued; returns the subgroups whose copies the device cannot give (updated on the host this step, tried
+        again at the next)."""
+        failed = set()
+        for i in self._subgroups:
+            if i in self._buffers:
+                continue
+            try:
+                with self._q.on("compute"):  # allocated where it is used
+                    self._buffers[i] = empty_buffers(self._host.numel(i), self._device)
+            except torch.OutOfMemoryError:
+                failed.add(i)
+                continue
+            self._fresh.discard(i)
+        return frozenset(failed)
+
     def queue(self, inv: float, scalars: dict, trace: list) -> None:
         """Queue every resident subgroup's update on the GPU copies, uploaded first only if the host copies
         changed (the first step, a checkpoint load); nothing is written back."""
         host, q = self._host, self._q
         for i in self._subgroups:
-            n = host.numel(i)
-            buf = self._buffers.get(i)
+            buf = self._buffers[i]  # reserve's
             h2d_done = None
-            if buf is None:
-                with q.on("compute"):  # kept for the run, so allocated where it is used
-                    buf = self._buffers[i] = empty_buffers(n, self._device)
-                self._fresh.discard(i)
             if i not in self._fresh:
                 with q.on("h2d"):
                     t_in = q.record("h2d")
@@ -189,10 +208,8 @@ class ResidentGpuLane:
                     h2d_done = q.record("h2d")
                 trace.append(("h2d", i, t_in, h2d_done))
                 self._fresh.add(i)
-            g = self._grads.device.get(i)
+            g = self._grads.device[i]
             with q.on("compute"):
-                if g is None:  # no gradient reached this subgroup: DeepSpeed's is zeros
-                    g = torch.zeros(n, device=self._device)
                 q.wait("compute", h2d_done)
                 step = host.advance(i)
                 t_c = q.record("compute")
@@ -200,19 +217,21 @@ class ResidentGpuLane:
                 trace.append(("gpu", i, t_c, q.record("compute")))
             self._stale.add(i)
 
-    def sync_host(self) -> None:
-        """Bring the host copies up to date (DeepSpeed's checkpoints and fp32 accessors read those). Blocks until
-        the copies are done; a no-op when none is behind."""
-        if not self._stale:
+    def sync_host(self, subgroups: Optional[tuple] = None) -> None:
+        """Bring the host copies of ``subgroups`` (None: all) up to date (DeepSpeed's checkpoints and fp32 accessors
+        read those, and an update on the host starts from them). Blocks until the copies are done; a no-op when
+        none is behind."""
+        behind = self._stale if subgroups is None else self._stale.intersection(subgroups)
+        if not behind:
             return
         q = self._q
         with torch.no_grad(), q.on("d2h"):
             q.wait("d2h", q.record("compute"))
-            for i in sorted(self._stale):
+            for i in sorted(behind):
                 self._host.live(i).copy_from(self._buffers[i])
         if q.cuda:
             q.streams["d2h"].synchronize()
-        self._stale.clear()
+        self._stale -= behind
 
     def host_changed(self, i: Optional[int] = None) -> None:
         """The host copies of subgroup i (None: all) were replaced or written: they are now the truth, and the GPU

@@ -61,9 +61,13 @@ class GradRouting:
         # are instead: "device" or "half". DeepSpeed's gradient accessors read them there until the step.
         self.home: dict[int, str] = {}
         n = len(opt.fp16_groups)
-        self._keep: list[Optional[Callable]] = [None] * n  # None: DeepSpeed's own offload
+        # None: DeepSpeed's own offload; else a method that keeps the gradient elsewhere (False: it could not)
+        self._keep: list[Optional[Callable]] = [None] * n
         self._final: list[Optional[Callable]] = [None] * n  # told each parameter whose gradient is final
         self._skip_host_copy: frozenset = frozenset()
+        # Subgroups whose device buffer could not be allocated in this backward (GPU memory pressure): DeepSpeed's
+        # own offload took their gradients instead, and the step updates them on the host (step.py).
+        self.lost: set = set()
 
     def param_ids(self, i: int) -> frozenset:
         """Subgroup i's parameters that hold data on this rank: the same test DeepSpeed's partition_grads applies
@@ -96,9 +100,42 @@ class GradRouting:
         self._skip_host_copy = gpu if (self._grads_on_gpu and self._opt.dtype != torch.float16) else frozenset()
 
     def clear(self) -> None:
-        """After the step (or a skipped one): the kept gradients are spent."""
+        """After the step (or a skipped one): the kept gradients are spent, and the next backward tries the device
+        again for the subgroups that lost theirs."""
         self.device.clear()
         self.home.clear()
+        for i in self.lost:
+            self._keep[i] = self._keep_device
+        self.lost.clear()
+
+    def reserve(self, subgroups) -> None:
+        """Before the step queues any GPU-lane work: a device buffer for each of ``subgroups`` whose gradients are
+        kept on the device but which no gradient reached in this backward (e.g. unused parameters), holding zeros,
+        DeepSpeed's gradient then; so the GPU lane allocates none while it queues. One the device cannot give is
+        lost, its zeros written to DeepSpeed's buffer instead."""
+        for i in subgroups:
+            if self._keep[i] == self._keep_device and i not in self.device:
+                try:
+                    self.device[i] = self._device_buffer(i)
+                except torch.OutOfMemoryError:
+                    self._lose(i)
+                    self._opt.fp32_partitioned_groups_flat[i].grad.zero_()
+
+    def _lose(self, i: int) -> None:
+        self._keep[i] = None  # DeepSpeed's own offload for the rest of this backward
+        self.lost.add(i)
+
+    def to_host(self, i: int) -> None:
+        """Put GPU-lane subgroup i's gradients where an update on the host reads them, DeepSpeed's fp32 buffer, with
+        the values its own offload writes there: the kept buffer holds the partition widened to fp32 (exact), so
+        it is copied as it is. A no-op when DeepSpeed's offload filled that buffer already."""
+        if self._keep[i] != self._keep_device:
+            return
+        buf = self.device.pop(i)
+        self.home.pop(i, None)
+        if self._queues.cuda:
+            self._opt.reduce_and_partition_stream.synchronize()
+        self._opt.fp32_partitioned_groups_flat[i].grad.copy_(buf)
 
     # ------------------------------------------------------------- in backward
     def at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets) -> None:
@@ -107,29 +144,36 @@ class GradRouting:
         pid = opt.get_param_id(param)
         i, dest_offset, _ = opt.grad_position[pid]
         keep = self._keep[i]
-        if keep is None:
+        if keep is None or not keep(i, pid, dest_offset, grad_buffer):
             DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary(
                 opt, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets)
-        else:
-            keep(i, pid, dest_offset, grad_buffer)
         final = self._final[i]
         if final is not None:
             final(i, pid)
 
-    def _keep_half(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> None:
+    def _keep_half(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> bool:
         self._norms.record(pid, grad)
         self.home[i] = "half"
+        return True
 
-    def _keep_device(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> None:
-        self._norms.record(pid, grad)
-        self.home[i] = "device"
+    def _device_buffer(self, i: int) -> torch.Tensor:
+        return torch.zeros(self._opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32, device=self._device)
+
+    def _keep_device(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> bool:
+        """Keep the gradient in subgroup i's device buffer; False when that buffer cannot be allocated (its first
+        parameter's, so none of the subgroup's gradients is there yet)."""
         buf = self.device.get(i)
         if buf is None:
-            buf = torch.zeros(self._opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
-                              device=self._device)
-            self.device[i] = buf
+            try:
+                buf = self.device[i] = self._device_buffer(i)
+            except torch.OutOfMemoryError:
+                self._lose(i)
+                return False
+        self._norms.record(pid, grad)
+        self.home[i] = "device"
         # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
         buf.narrow(0, dest_offset, grad.numel()).copy_(grad, non_blocking=True)
+        return True
 
     def partition(self, params_to_release, grad_partitions) -> Optional[list]:
         """DeepSpeed's partition_grads in the common case (a boundary micro-step that does not accumulate; None

@@ -156,6 +156,9 @@ class Plan:
     cpu_order: list[int]
     gpu_slots: list[GpuSlot]  # the GPU-lane subgroups whose states stream through staging slots
     resident: tuple[int, ...] = ()  # the GPU-lane subgroups whose states stay on the GPU
+    # GPU-lane subgroups that the GPU lane could not get device memory for at this step: updated on the host with
+    # DeepSpeed's own update instead (a plan for one step only, see step.py); in no other list.
+    fallback: tuple[int, ...] = ()
     # The streamed GPU-lane subgroups adaptive_swing may move to the CPU lane, in the order it does (the same for
     # every swing of one schedule, so not part of a plan's identity).
     swing_candidates: tuple[int, ...] = field(default=(), compare=False)
@@ -182,9 +185,10 @@ def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
     return list(make_plan(num_subgroups, sched).swing_candidates)
 
 
-def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0) -> Plan:
+def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0, fallback: frozenset = frozenset()) -> Plan:
     """The lanes, CPU-lane order and GPU-lane staging chain; ``swing`` of the GPU lane's streamed subgroups
-    (its ``swing_candidates``) go to the CPU lane instead."""
+    (its ``swing_candidates``) go to the CPU lane instead, and the GPU-lane subgroups in ``fallback`` to the plan's
+    ``fallback`` (the others keep their places: no streamed subgroup becomes resident)."""
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     if sched.resident_subgroups > len(gpu):
@@ -196,10 +200,15 @@ def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0) -> Plan
     candidates = tuple(sorted(gpu[sched.resident_subgroups:], reverse=True)[:sched.adaptive_swing])
     for i in candidates[:swing]:
         lanes[i] = CPU
+    cpu_order = [i for i, lane in enumerate(lanes) if lane == CPU]
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
-    resident, streamed = tuple(gpu[:sched.resident_subgroups]), gpu[sched.resident_subgroups:]
+    moved = tuple(i for i in gpu if i in fallback)
+    for i in moved:
+        lanes[i] = CPU
+    resident = tuple(i for i in gpu[:sched.resident_subgroups] if i not in fallback)
+    streamed = [i for i in gpu[sched.resident_subgroups:] if i not in fallback]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
              for k, sg in enumerate(streamed)]
-    return Plan(lanes=lanes, cpu_order=[i for i, lane in enumerate(lanes) if lane == CPU], gpu_slots=slots,
-                resident=resident, swing_candidates=candidates)
+    return Plan(lanes=lanes, cpu_order=cpu_order, gpu_slots=slots, resident=resident, fallback=moved,
+                swing_candidates=candidates)

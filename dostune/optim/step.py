@@ -7,6 +7,9 @@ prologue (overflow check, global norm, loss-scale update) and epilogue (``_post_
 called in DeepSpeed's order, and in between the GPU lane is queued up front on its own streams, then the host runs
 the CPU lane, so CPU Adam, GPU Adam and both PCIe directions overlap. The math is DeepSpeed's: the same global-norm
 clipping and loss-scale/overflow handling, the same Adam/AdamW update from the same state.
+
+Each step runs a plan: the run's (``plan``), or, when the GPU lane cannot get its device memory at that step, one
+with the subgroups concerned moved to DeepSpeed's own update on the host (``step_plan``, pressure.py).
 """
 from __future__ import annotations
 
@@ -19,13 +22,14 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
 from .adam_steps import AdamSteps
-from .cpu_lane import CpuBackwardLane, CpuStepLane
+from .cpu_lane import CpuBackwardLane, CpuStepLane, deepspeed_update, deepspeed_upload
 from .gpu_lane import ResidentGpuLane, StreamedGpuLane
 from .grads import GradRouting
 from .host_state import HostStates
 from .kernels import LaneAdam
 from .norms import GradNorms
 from .pinned import PinRegistry
+from .pressure import MemoryPressure
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
 from .swing import AdaptiveSplit, FixedSplit
@@ -47,7 +51,8 @@ class InterleavedStep:
         self.norms = GradNorms(opt, q)
         self.grads = GradRouting(opt, self.norms, q, device, schedule.grads_on_gpu)
         self.adam = AdamSteps(opt, self.host, self.lane_adam)
-        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, plan.resident, device)
+        self.pressure = MemoryPressure()
+        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, device)
         self.streamed = StreamedGpuLane(self.host, self.grads, q, self.lane_adam, schedule.staging_buffers,
                                         schedule.grads_on_gpu, device)
         for i in range(self.count):
@@ -62,7 +67,7 @@ class InterleavedStep:
             self.cpu = CpuBackwardLane(opt, self.host, self.grads, self.norms, self.adam, q, self.pins, schedule,
                                        device, plan)
         else:
-            self.cpu = CpuStepLane(opt, self.host, q, schedule, device)
+            self.cpu = CpuStepLane(opt, self.host, q, schedule, device, self.pressure)
         self.split = AdaptiveSplit(len(plan.swing_candidates), q) if plan.swing_candidates else FixedSplit()
         self.clock = StepClock(q, schedule.trace)
         self._set_plan(plan)
@@ -71,10 +76,45 @@ class InterleavedStep:
         """Use ``plan``'s lanes from the next backward on (at start-up, and between steps when the swing moves):
         where that backward sends gradients (kept on the GPU or copied to the host) follows the new lanes."""
         self.plan = plan
-        self._gpu_set = frozenset(plan.gpu_subgroups)
         self.grads.set_plan(plan, self.cpu.in_backward(plan), self.cpu.grad_final)
+        self._run_plan(plan)
+
+    def _run_plan(self, plan: Plan) -> None:
+        """The lanes run ``plan`` at the next step."""
+        self.step_plan = plan
+        self._gpu_set = frozenset(plan.gpu_subgroups)
         self.cpu.set_plan(plan)
+        self.resident.set_plan(plan)
         self.streamed.set_plan(plan)
+
+    def _plan_step(self) -> None:
+        """Decide this step's plan before any GPU-lane work is queued: ``self.plan``, unless the GPU memory it
+        allocates cannot be had (pressure.py); then the GPU-lane subgroups concerned go to the plan's fallback."""
+        self.grads.reserve(self.plan.gpu_subgroups)
+        lost = frozenset(self.grads.lost)  # gradient buffers, in backward or just now
+        unplaced = self.resident.reserve()  # resident copies not made yet
+        missing = [what for what, subgroups in (("gradient buffers", lost), ("resident copies", unplaced)) if subgroups]
+        if lost or unplaced:
+            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing, fallback=lost | unplaced))
+        if not self.streamed.reserve():
+            streamed = frozenset(s.subgroup for s in self.step_plan.gpu_slots)
+            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing,
+                                     fallback=lost | unplaced | streamed))
+            missing.append("staging slots")
+        if missing:
+            self.pressure.gpu_lane_fell_back(self.step_plan.fallback, " and ".join(missing))
+
+    def _fall_back(self, inv, trace: list) -> None:
+        """Update the step plan's fallback on the host as DeepSpeed does (pressure.py), from DeepSpeed's host copies
+        (a resident subgroup's brought up to date first, and its GPU copy uploaded again before its next update
+        there) and its fp32 gradient buffer."""
+        host, fallen = self.host, self.step_plan.fallback
+        self.resident.sync_host(fallen)
+        for i in fallen:
+            self.grads.to_host(i)
+            deepspeed_update(self.opt, host, i, inv, trace)
+            deepspeed_upload(i, host.live(i).p, host.half(i), trace)
+            self.resident.host_changed(i)
 
     def host_changed(self, i=None) -> None:
         """DeepSpeed's host copies of subgroup i (None: all) were replaced or written."""
@@ -90,6 +130,7 @@ class InterleavedStep:
     def step(self) -> None:
         opt = self.opt
         self.clock.start()
+        self._plan_step()
         self.streamed.prefetch()
         opt._pre_step()
         # DeepSpeed releases every gathered parameter first (_partition_all_parameters: ~50 ms of Python for
@@ -111,6 +152,7 @@ class InterleavedStep:
             self.grads.clear()
             self.streamed.reset()
             self.cpu.skip()
+            self._end_step_plan()
             opt._partition_all_parameters()
             return
         opt._global_grad_norm = scaled_global_grad_norm / opt.loss_scale
@@ -157,6 +199,7 @@ class InterleavedStep:
         host_work()
         self.clock.mark("queued")
         self.cpu.finish(inv, inv32, trace)
+        self._fall_back(inv, trace)
         for i in range(self.count):
             self.opt._unflatten_partitioned_parameters(i)
         q.join()
@@ -164,14 +207,27 @@ class InterleavedStep:
         self.grads.clear()
         self.streamed.reset()  # safe: the lanes' streams are drained and the default stream waits on them
         self.clock.record(trace)
-        swing = self.split.decide(trace, len(self.plan.gpu_slots))
+        # a step that fell back measures no lane as the swing's plan runs it
+        fell_back = self._end_step_plan()
+        swing = self.split.decide(None if fell_back else trace, len(self.plan.gpu_slots))
         if swing is not None:
             self._set_plan(make_plan(self.count, self.schedule, swing=swing))
+
+    def _end_step_plan(self) -> bool:
+        """Back to ``self.plan`` after a step that ran another; whether it did."""
+        if self.step_plan is self.plan:
+            return False
+        self._run_plan(self.plan)
+        return True
 
     # ------------------------------------------------------------ reporting
     @property
     def overlap_stats(self) -> dict:
         return self.cpu.stats
+
+    @property
+    def pressure_stats(self) -> dict:
+        return self.pressure.stats
 
     @property
     def swing_stats(self) -> dict:

@@ -23,7 +23,7 @@ class FixedSplit:
     def gpu_queued(self) -> None:
         pass
 
-    def decide(self, trace: list, streamed: int) -> Optional[int]:
+    def decide(self, trace: Optional[list], streamed: int) -> Optional[int]:
         return None
 
 
@@ -62,11 +62,11 @@ class AdaptiveSplit:
         spans = [(a - t0, b - t0) for lane, _, a, b in trace if lane == "cpu"]
         return lane_times(spans, gpu_end, streamed, self._cost)
 
-    def decide(self, trace: list, streamed: int) -> Optional[int]:
+    def decide(self, trace: Optional[list], streamed: int) -> Optional[int]:
         """After the step: the swing for the next step if it changes, else None. ``streamed``: the GPU-lane
-        subgroups that streamed their states this step."""
+        subgroups that streamed their states this step; ``trace`` None: a step not to measure."""
         self.steps_by_swing[self.swing] = self.steps_by_swing.get(self.swing, 0) + 1
-        swing = self.balance.observe(self._times(trace, streamed))
+        swing = self.balance.observe(None if trace is None else self._times(trace, streamed))
         if swing == self.swing:
             return None
         self.swing = swing

@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-
+from ..records import Span
 from .queues import Queues
 
 PHASE_WINDOW = 64  # steps whose host-time phases dostune_step_phases reports
-
-
-@dataclass
-class Span:
-    """One piece of lane work in a traced step, in seconds from the step's start."""
-
-    lane: str  # cpu, h2d, gpu, d2h, up
-    subgroup: int
-    start: float
-    end: float
 
 
 class StepClock:
@@ -68,7 +57,8 @@ class StepClock:
         # start, CUDA events to an event queued at that moment on an idle stream.
         for lane, i, a, b in raw:
             if isinstance(a, float):
-                spans.append(Span(lane, i, a - t_host0, b - t_host0))
+                spans.append(Span(lane=lane, subgroup=i, start=a - t_host0, end=b - t_host0))
             elif start_ev is not None:
-                spans.append(Span(lane, i, start_ev.elapsed_time(a) / 1e3, start_ev.elapsed_time(b) / 1e3))
+                spans.append(Span(lane=lane, subgroup=i, start=start_ev.elapsed_time(a) / 1e3,
+                                  end=start_ev.elapsed_time(b) / 1e3))
         self.last_trace = sorted(spans, key=lambda s: s.start)

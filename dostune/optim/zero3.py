@@ -142,6 +142,14 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return self._dos.overlap_stats
 
     @property
+    def dostune_pressure_stats(self) -> dict:
+        """GPU memory pressure counters since start: steps whose GPU lane could not get its device memory and left
+        subgroups to DeepSpeed's own update on the host (``fallback_steps``), those subgroup updates
+        (``fallback_subgroups``), and steps whose CPU-lane results went up without the upload buffer
+        (``upload_fallback_steps``). The values are the same either way (docs/faults.md)."""
+        return self._dos.pressure_stats
+
+    @property
     def dostune_step_phases(self) -> dict:
         """Median host milliseconds of the last ``PHASE_WINDOW`` steps' parts (skipped steps not counted):
         ``before_lanes`` (DeepSpeed's prologue, overflow check and global norm), ``queue_and_host_work`` (queueing

@@ -1,7 +1,8 @@
 """The performance model's inputs, fitted from a node profile (and a model profile when there is one).
 
 Nothing here is typed in: every rate and overhead comes from a ``LinearCost`` fitted by ``dostune profile``
-(time = overhead + size / rate), or is derived from one in a way ``docs/performance-model.md`` states.
+(time = overhead + size / rate), or is derived from one in a way ``docs/performance-model.md`` states. What an older
+profile lacks is taken from what it has, and ``notes`` say so; coefficients.py combines the two profiles.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import ProfileError
 from ..profile.model_record import ModelProfile
-from ..profile.record import LinearCost, NodeProfile
+from ..profile.record import LinearCost, NodeProfile, Series
+from ..profile.step_parts import prologue_shares
 
 
 class Cost(BaseModel):
@@ -38,6 +40,7 @@ class NodeInputs(BaseModel):
     h2d_duplex: Cost  # bytes, while the other direction is busy
     d2h_duplex: Cost
     h2d_pageable: Cost
+    d2h_pageable: Cost  # bytes into pageable memory, the host waiting (ZeRO-Offload's gradients without pin_memory)
     cpu_adam: dict[int, Cost]  # elements, by OpenMP thread count
     best_threads: int
     default_threads: int  # what DeepSpeed's own path runs with: torch's default, one per physical core
@@ -48,6 +51,19 @@ class NodeInputs(BaseModel):
     ds_upload: Optional[Cost] = None  # DeepSpeed's own blocking fp32 -> half upload, when measured
     contention: float  # CPU Adam slowdown while PCIe DMA runs (>= 1) ...
     contention_gbps: float  # ... at this much combined H2D + D2H traffic
+    notes: tuple[str, ...] = ()  # what an older profile lacked and what stands in for it
+
+    def threads_near(self, threads: int) -> int:
+        """The profiled CPU Adam thread count nearest ``threads``."""
+        return threads if threads in self.cpu_adam else min(self.cpu_adam, key=lambda t: abs(t - threads))
+
+    def cpu_lane_seconds(self, size: int, threads: int, upload: str) -> float:
+        """Host time of one CPU-lane subgroup, uncontended: unscale, DeepSpeedCPUAdam (and the CPU conversion
+        when half precision is produced on the CPU)."""
+        t = self.unscale_cpu.t(size) + self.cpu_adam[self.threads_near(threads)].t(size)
+        if upload == "cpu_convert":
+            t += self.convert_cpu.t(size)
+        return t
 
     @classmethod
     def from_profile(cls, p: NodeProfile) -> "NodeInputs":
@@ -64,8 +80,14 @@ class NodeInputs(BaseModel):
         # Measured when the profile has it; older profiles: derived from the CPU conversion (both are
         # memory-bound loops; fp32 -> half moves 6 bytes per element, the in-place unscale 8).
         unscale = Cost.of(p.unscale.fit) if p.unscale is not None else Cost.of(p.convert.cpu.fit, scale=6 / 8)
+        notes = []
+        if c.d2h_pageable is None:
+            notes.append(f"node profile '{p.name}' (schema {p.schema_version}) did not measure pageable device-to-host "
+                         "copies: ZeRO-Offload's gradient copies without pin_memory are taken at its pageable "
+                         "host-to-device rate (re-profile the node with this dostune to measure them)")
         return cls(node=p.name, h2d=Cost.of(c.h2d.fit), d2h=Cost.of(c.d2h.fit), h2d_duplex=Cost.of(c.duplex_h2d.fit),
                    d2h_duplex=Cost.of(c.duplex_d2h.fit), h2d_pageable=Cost.of(c.h2d_pageable.fit),
+                   d2h_pageable=Cost.of((c.d2h_pageable or c.h2d_pageable).fit), notes=tuple(notes),
                    cpu_adam=by_threads, best_threads=p.cpu_adam.best_threads,
                    default_threads=min(by_threads, key=lambda t: abs(t - (p.host.physical_cores or p.host.logical_cores))),
                    gpu_adam=Cost.of(p.gpu_adam.fit), convert_cpu=Cost.of(p.convert.cpu.fit),
@@ -74,15 +96,33 @@ class NodeInputs(BaseModel):
                    contention=max(1.0, p.contention.slowdown), contention_gbps=2 * p.contention.dma_gbps_during)
 
 
+def timed_backward(m: ModelProfile) -> float:
+    """ZeRO-Offload's median backward. Profiles before schema 3 timed the iteration that records the memory timeline
+    and the gradients' readiness too, whose hooks slowed it (its backward, ``backward_s``, up to 1.6x the others');
+    where such a record still holds every sample (2 or 3: lo, median, hi) that one is left out."""
+    t = m.phases["bwd"].time_s
+    if m.schema_version >= 3 or t.n not in (2, 3):
+        return t.median
+    samples = [t.lo, t.hi] if t.n == 2 else [t.lo, t.median, t.hi]
+    recorded = min(range(len(samples)), key=lambda k: abs(samples[k] - m.backward_s))
+    if abs(samples[recorded] - m.backward_s) > 1e-9 * max(1.0, m.backward_s):
+        return t.median
+    rest = samples[:recorded] + samples[recorded + 1:]
+    return sum(rest) / len(rest)
+
+
 class ModelInputs(BaseModel):
-    """What the model profile contributes (None fields when only the node profile is known)."""
+    """What the model profile contributes (None fields when only the node profile is known, or when a profile older
+    than schema 3 did not measure them: coefficients.py then says what stands in)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str
     params: int
+    profile_schema: Optional[int] = None
+    precision: str = "bf16"
     fwd_s: Optional[float] = None
-    bwd_s: Optional[float] = None
+    bwd_s: Optional[float] = None  # ZeRO-Offload's backward, in the form it was profiled (offload_pinned)
     ds_step_s: Optional[float] = None  # DeepSpeed ZeRO-Offload's measured step at ds_sub_group_size
     ds_sub_group_size: Optional[int] = None
     step_overhead_s: Optional[float] = None  # measured step prologue/epilogue, when the profile has it
@@ -91,16 +131,38 @@ class ModelInputs(BaseModel):
     peak_step_gib: Optional[float] = None
     free_step_gib: Optional[float] = None
     gpu_total_gib: Optional[float] = None
+    offload_pinned: bool = True  # ZeRO-Offload's host buffers were page-locked (its gradient copies asynchronous)
+    bwd_traffic_bytes: Optional[tuple[float, float]] = None  # (D2H, H2D) bytes NVML counted in its backward
+    bwd_no_copy_s: Optional[float] = None  # backward without the gradient copies
+    bwd_beside_lane_s: Optional[float] = None  # ... with dostune's CPU-lane kernel working beside it
+    lane_threads: Optional[int] = None  # that kernel's threads
+    lane_beside_s_per_elem: Optional[float] = None  # its update during that backward, seconds per element
+    lane_alone_s_per_elem: Optional[float] = None  # ... and with nothing else running
+    step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
+    ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
+    ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
 
     @classmethod
     def from_profile(cls, m: ModelProfile) -> "ModelInputs":
         ph = m.phases
-        return cls(model=m.model, params=m.params, fwd_s=ph["fwd"].time_s.median, bwd_s=ph["bwd"].time_s.median,
+        bwd = timed_backward(m)
+        traffic = m.pcie.get("bwd") if m.pcie else None
+        lane = m.backward_lane
+        return cls(model=m.model, params=m.params, profile_schema=m.schema_version, precision=m.precision,
+                   fwd_s=ph["fwd"].time_s.median, bwd_s=bwd,
                    ds_step_s=ph["step"].time_s.median, ds_sub_group_size=m.sub_group_size,
                    step_overhead_s=m.step_overhead_s,
                    peak_fwd_gib=ph["fwd"].peak_allocated_gib, peak_bwd_gib=ph["bwd"].peak_allocated_gib,
                    peak_step_gib=ph["step"].peak_allocated_gib, free_step_gib=ph["step"].free_gib,
-                   gpu_total_gib=m.gpu_total_gib)
+                   gpu_total_gib=m.gpu_total_gib, offload_pinned=m.offload_pinned,
+                   bwd_traffic_bytes=(traffic.tx_gbps * 1e9 * bwd, traffic.rx_gbps * 1e9 * bwd) if traffic else None,
+                   bwd_no_copy_s=m.backward_no_copy_s.median if m.backward_no_copy_s is not None else None,
+                   bwd_beside_lane_s=lane.backward_s.median if lane is not None else None,
+                   lane_threads=lane.threads if lane is not None else None,
+                   lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,
+                   lane_alone_s_per_elem=lane.lane_alone_s.median / lane.elements if lane is not None else None,
+                   step_shares=prologue_shares(m.step_parts_s),
+                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 
     @property
     def offload_peak_gib(self) -> Optional[float]:

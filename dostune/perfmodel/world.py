@@ -247,6 +247,7 @@ def rank_inputs(profile: NodeProfile, world: World) -> tuple[NodeInputs, list[st
         unscale_cpu=_scaled(node.unscale_cpu, mem_share), convert_cpu=_scaled(node.convert_cpu, mem_share),
         h2d=h2d, d2h=d2h, h2d_duplex=h2d_duplex, d2h_duplex=d2h_duplex,
         h2d_pageable=_scaled(node.h2d_pageable, pageable_share),
+        d2h_pageable=_scaled(node.d2h_pageable, pageable_share),
         ds_upload=_scaled(node.ds_upload, pageable_share) if node.ds_upload is not None else None,
         contention_gbps=node.contention_gbps / n)), notes
 

@@ -2,7 +2,8 @@
 
 Measures forward / backward / step times, a memory timeline sampled at module boundaries (forward hooks,
 and gradient hooks in backward), when each optimizer subgroup's gradients become final during backward,
-and PCIe traffic per phase from NVML's counters.
+PCIe traffic per phase from NVML's counters, DeepSpeed's step by part (step_parts.py), and after the timed
+iterations backward without the gradient copies, alone and beside dostune's CPU-lane kernel (backward_probes.py).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import World, gather_ranks
 from ..stats import Stat
 from . import identity
+from .backward_probes import measure_backward_probes
 from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
                            SubgroupProfile, WorldRecord, slowest_phases)
+from .step_parts import StepParts
 from .timing import NullProgress, ProgressSink
 
 GiB = 2**30
@@ -46,10 +49,15 @@ class ModelProfileOptions:
     seed: int = 0
     node: Optional[str] = None
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # the scratch subgroup the CPU-lane kernel updates beside backward (backward_probes.py); None: a 16th of the
+    # model, between 64K and 10M elements (~3 ms per update on the H100 host)
+    lane_elements: Optional[int] = None
 
     def validate(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.micro_batch < 1 or self.seq < 1 or self.sub_group_size < 1:
             raise DostuneError("--iters, --micro-batch, --seq and --sub-group-size must be positive, --warmup >= 0")
+        if self.lane_elements is not None and self.lane_elements < 1:
+            raise DostuneError(f"lane_elements must be positive, got {self.lane_elements}")
 
 
 class _Memory:
@@ -147,42 +155,6 @@ class _GradReadiness:
         return out
 
 
-class _StepOverhead:
-    """Times, on this optimizer instance (profiling only), the parts of a step that do not depend on how
-    subgroups are updated: DeepSpeed's step prologue and epilogue helpers, which DeepSpeed's own step and
-    dostune's both call, and the engine's work around ``optimizer.step``."""
-
-    PARTS = ("_pre_step", "_partition_all_parameters", "_overflow_check_and_loss_scale_update", "_get_norm_groups",
-             "_loss_scale_update_and_overflow_cleanup", "_post_step")
-
-    def __init__(self, opt):
-        self.opt, self.parts_s, self.opt_step_s, self._orig = opt, 0.0, 0.0, {}
-        for name in self.PARTS + ("step",):
-            orig = getattr(opt, name)
-            self._orig[name] = orig
-            setattr(opt, name, self._timed(name, orig))
-
-    def _timed(self, name, fn):
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = time.perf_counter() - t0
-                if name == "step":
-                    self.opt_step_s += dt
-                else:
-                    self.parts_s += dt
-        return run
-
-    def reset(self):
-        self.parts_s = self.opt_step_s = 0.0
-
-    def restore(self):
-        for name, fn in self._orig.items():
-            setattr(self.opt, name, fn)
-
-
 class _PcieSampler(threading.Thread):
     def __init__(self, device: int, phase_of):
         super().__init__(daemon=True)
@@ -246,7 +218,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     rec = _Recorder(mem)
     handles = _install_memory_hooks(engine.module, rec)
     ready = _GradReadiness(engine.optimizer, cuda)
-    overhead = _StepOverhead(engine.optimizer)
+    overhead = StepParts(engine.optimizer)
     overheads = []
     pcie = _PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
     if pcie:
@@ -255,8 +227,10 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     peaks = {ph: 0.0 for ph in times}
     peaks_res = {ph: 0.0 for ph in times}
     gen = torch.Generator().manual_seed(opts.seed + 1)
-    total = opts.warmup + opts.iters
-    progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations", total)
+    # the last iteration records the memory timeline and when gradients are final; its hooks slow it (backward by up
+    # to 1.6x in the profiles before schema 3, which timed it too), so it is not one of the timed ones
+    total = opts.warmup + opts.iters + 1
+    progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
 
     def sync():
@@ -265,7 +239,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
 
     try:
         for k in range(total):
-            timed, last = k >= opts.warmup, k == total - 1
+            last = k == total - 1
+            timed = k >= opts.warmup and not last
             batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
             sync()
             if last:
@@ -293,7 +268,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                 if timed:
                     times[ph].append(dt)
                     if ph == "step":
-                        overheads.append(dt - overhead.opt_step_s + overhead.parts_s)
+                        overheads.append(overhead.close(dt))
                     if cuda:
                         peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
                         peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
@@ -305,6 +280,23 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                                      params=len(g), grad_ready_s=grad_ready[i])
                      for i, g in enumerate(opt.fp16_groups)]
         numel = sum(s.numel for s in subgroups)
+        step_parts, ds_cpu_adam, ds_unscale = overhead.summary([s.numel for s in subgroups])
+
+        def backward_pass() -> tuple[float, float]:
+            loss = loss_of(engine(**spec.batch(opts.micro_batch, opts.seq, gen, engine.device)))
+            sync()
+            t0 = time.perf_counter()
+            engine.backward(loss)
+            sync()
+            return t0, time.perf_counter()
+
+        lane_elements = opts.lane_elements or min(10_000_000, max(65_536, numel // 16))
+        # the lane's gradients and results in the training's half precision (bf16 for an fp32 profile: the probe is
+        # about how the two slow each other, which the dtype barely changes)
+        half = torch.float16 if opts.precision == "fp16" else torch.bfloat16
+        no_copy, lane, probe_notes = measure_backward_probes(opt, backward_pass, opts.iters, lane_elements, half,
+                                                             progress)
+        notes += probe_notes
     finally:
         for h in handles:
             h.remove()
@@ -345,7 +337,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,
         optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
-        pcie=pcie.summary() if pcie else None, notes=notes)
+        pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
+        backward_lane=lane, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

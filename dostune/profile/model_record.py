@@ -9,24 +9,23 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from ..errors import ProfileError
 from ..stats import Stat
-from .record import _format_validation_error, check_version, read_json_record
+from ..records import Record, load_record
+from .record import Series
 
 # 2: world and ranks (a profile measured under DeepSpeed's launcher). Version 1 profiles still load (one rank).
-MODEL_SCHEMA_VERSION = 2
-MODEL_READABLE_VERSIONS = (1, 2)
+# 3: offload_pin_memory, backward_no_copy_s, backward_lane, step_parts_s, ds_cpu_adam, ds_unscale (the performance
+# model's coefficients, docs/performance-model.md). Older profiles still load; the model falls back where they lack
+# these, and says so.
+MODEL_SCHEMA_VERSION = 3
+MODEL_READABLE_VERSIONS = (1, 2, 3)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class MemorySample(_Record):
+class MemorySample(Record):
     """GPU (or, on a CPU machine, process) memory at one point of an iteration."""
 
     t: float  # seconds from the start of the iteration
@@ -36,7 +35,7 @@ class MemorySample(_Record):
     where: str  # module or event the sample was taken at
 
 
-class PhaseProfile(_Record):
+class PhaseProfile(Record):
     time_s: Stat
     peak_allocated_gib: float
     min_allocated_gib: float
@@ -44,14 +43,14 @@ class PhaseProfile(_Record):
     free_gib: Optional[float]  # device memory minus the phase's peak allocation (None on CPU)
 
 
-class SubgroupProfile(_Record):
+class SubgroupProfile(Record):
     index: int
     numel: int
     params: int
     grad_ready_s: Optional[float]  # when, from the start of backward, its last gradient was partitioned
 
 
-class PcieTraffic(_Record):
+class PcieTraffic(Record):
     """Mean PCIe throughput per phase from NVML's counters (GB/s; tx = device to host)."""
 
     tx_gbps: float
@@ -59,14 +58,27 @@ class PcieTraffic(_Record):
     samples: int
 
 
-class WorldRecord(_Record):
+class BackwardLaneProfile(Record):
+    """Backward (with DeepSpeed's gradient copies to the host dropped, as in ``backward_no_copy_s``) while dostune's
+    CPU-lane kernel updates a scratch subgroup in a worker thread, round after round, as ``overlap_backward`` runs it
+    (out-of-place CPU Adam, half-precision gradients in and parameters out, the GIL released while it computes):
+    how much the lane slows backward's host-bound hooks, and how fast the lane runs beside them."""
+
+    threads: int = Field(ge=1)  # the lane's OpenMP threads (the CPU lane's default during backward)
+    elements: int = Field(gt=0)  # one update of the scratch subgroup
+    lane_alone_s: Stat  # one update, nothing else running
+    lane_beside_s: Stat  # one update that started and ended while backward ran
+    backward_s: Stat  # backward while the lane worked throughout
+
+
+class WorldRecord(Record):
     """The world a model profile was measured in: one rank per GPU."""
 
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1)
 
 
-class RankProfile(_Record):
+class RankProfile(Record):
     """One rank's phases, in a profile measured under the launcher."""
 
     rank: int
@@ -74,7 +86,7 @@ class RankProfile(_Record):
     step_overhead_s: Optional[float] = None
 
 
-class ModelProfile(_Record):
+class ModelProfile(Record):
     schema_version: int
     kind: Literal["dostune.model-profile"] = MODEL_KIND
     created: str
@@ -102,6 +114,24 @@ class ModelProfile(_Record):
     ranks: list[RankProfile] = Field(default_factory=list)  # empty for a profile of one rank
     memory_timeline: list[MemorySample]
     pcie: Optional[dict[str, PcieTraffic]] = None
+    # v3. Whether ZeRO-Offload's host buffers were page-locked (offload_optimizer.pin_memory): its gradient copies in
+    # backward are then asynchronous, else blocking copies to pageable memory (None in older profiles: their notes say
+    # "ZeRO-Offload measured with pin_memory false" when it was off).
+    offload_pin_memory: Optional[bool] = None
+    # v3. Backward with each gradient partition dropped on the device instead of copied to the host: the compute and
+    # ZeRO-3's hooks without the offload's copies (after the timed iterations; no step follows them).
+    backward_no_copy_s: Optional[Stat] = None
+    backward_lane: Optional[BackwardLaneProfile] = None  # v3
+    # v3. DeepSpeed's step outside the per-subgroup updates, by part (median seconds per step): its prologue helpers
+    # (_pre_step, _partition_all_parameters, _overflow_check_and_loss_scale_update, _get_norm_groups,
+    # _loss_scale_update_and_overflow_cleanup), its epilogue (_post_step) and "engine" (the engine's own work around
+    # optimizer.step). They add up to step_overhead_s.
+    step_parts_s: dict[str, float] = Field(default_factory=dict)
+    # v3. DeepSpeedCPUAdam as ZeRO-Offload's step calls it (_optimizer_step) and its unscale (unscale_and_clip_grads):
+    # host seconds per subgroup (one point per subgroup: its elements, the median over the timed iterations, the
+    # threads it ran with), fitted like the node profile's series: the rates in this engine's own memory.
+    ds_cpu_adam: Optional[Series] = None
+    ds_unscale: Optional[Series] = None
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -111,6 +141,14 @@ class ModelProfile(_Record):
     @property
     def world_size(self) -> int:
         return self.world.nodes * self.world.gpus_per_node
+
+    @property
+    def offload_pinned(self) -> bool:
+        """Whether ZeRO-Offload ran with page-locked host buffers: the v3 field, else (older profiles) the note that
+        the model profile writes when it ran it without ("ZeRO-Offload measured with pin_memory false: ...")."""
+        if self.offload_pin_memory is not None:
+            return self.offload_pin_memory
+        return not any("pin_memory false" in note for note in self.notes)
 
 
 def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhaseProfile]:
@@ -129,9 +167,4 @@ def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhasePr
 
 
 def load_model_profile(path) -> ModelProfile:
-    data = read_json_record(path, "model profile")
-    check_version(data, path, MODEL_KIND, MODEL_SCHEMA_VERSION, MODEL_READABLE_VERSIONS)
-    try:
-        return ModelProfile.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(_format_validation_error(str(path), e)) from None
+    return load_record(path, ModelProfile, "model profile", MODEL_KIND, MODEL_SCHEMA_VERSION, MODEL_READABLE_VERSIONS)

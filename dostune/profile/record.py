@@ -1,4 +1,4 @@
-"""The typed, versioned node profile record and its JSON I/O.
+"""The typed, versioned node profile record (its JSON I/O is dostune/records.py's).
 
 A node profile holds what the performance model needs to know about one machine: who it is
 (host, GPU, PCIe link) and what it measured (copy bandwidths, optimizer throughputs, conversion
@@ -10,31 +10,23 @@ say so plainly otherwise. ``dostune profile --schema`` prints the JSON schema; s
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from ..errors import DostuneError, ProfileError
+from ..records import Record, load_record
 from ..stats import Stat, linear_fit
 
 # 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
-# Version 1 profiles still load: the new fields take their defaults.
-NODE_SCHEMA_VERSION = 2
-NODE_READABLE_VERSIONS = (1, 2)
+# 3: copies.d2h_pageable. Older profiles still load: the new fields take their defaults (the performance model says
+# what it uses instead).
+NODE_SCHEMA_VERSION = 3
+NODE_READABLE_VERSIONS = (1, 2, 3)
 NODE_KIND = "dostune.node-profile"
 
 
-class _Record(BaseModel):
-    # Unknown keys are an error: a typo in a hand-edited profile must not pass silently.
-    model_config = ConfigDict(extra="forbid")
-
-
-class LinearCost(_Record):
+class LinearCost(Record):
     """time(amount) = overhead_s + amount / rate_per_s, fitted by least squares over sizes."""
 
     overhead_s: float
@@ -45,7 +37,7 @@ class LinearCost(_Record):
         return max(self.overhead_s, 0.0) + amount / self.rate_per_s
 
 
-class Sample(_Record):
+class Sample(Record):
     """Repeated timings of one operation at one size (bytes or elements, see the series' unit)."""
 
     size: int = Field(gt=0)
@@ -57,7 +49,7 @@ class Sample(_Record):
         return self.size / self.seconds.median
 
 
-class Series(_Record):
+class Series(Record):
     """A family of samples over sizes and the linear cost fitted to them."""
 
     unit: Literal["bytes", "elements"]
@@ -77,7 +69,7 @@ def fit_series(unit: str, points: list[Sample]) -> Series:
     return Series(unit=unit, points=points, fit=LinearCost(overhead_s=a, rate_per_s=1.0 / b, r2=r2))
 
 
-class HostInfo(_Record):
+class HostInfo(Record):
     cpu_model: str
     logical_cores: int
     physical_cores: Optional[int]
@@ -92,7 +84,7 @@ class HostInfo(_Record):
     gpus: Optional[int] = None  # CUDA devices this process saw (None in version 1 profiles)
 
 
-class PcieLink(_Record):
+class PcieLink(Record):
     """PCIe link as NVML reports it. GPUs drop to a lower generation when idle, so the current
     values read at rest can be below the max; theoretical bandwidths are per direction."""
 
@@ -104,7 +96,7 @@ class PcieLink(_Record):
     theoretical_gbps_max: float
 
 
-class GpuInfo(_Record):
+class GpuInfo(Record):
     index: int
     name: str
     memory_gib: float
@@ -114,11 +106,12 @@ class GpuInfo(_Record):
     pcie: Optional[PcieLink]
 
 
-class CopyProfile(_Record):
-    """Host<->device copies with pinned host memory (and pageable H2D for comparison).
+class CopyProfile(Record):
+    """Host<->device copies with pinned host memory, and with pageable memory as DeepSpeed copies without pin_memory.
 
     ``duplex_*`` are the two directions running at the same time on separate streams; each is
     timed on its own stream, so its rate is what that direction gets while the other is busy.
+    ``d2h_pageable`` (v3) is timed on the host, as the copy blocks it (ZeRO-Offload's gradient copies in backward).
     """
 
     h2d: Series
@@ -126,9 +119,10 @@ class CopyProfile(_Record):
     duplex_h2d: Series
     duplex_d2h: Series
     h2d_pageable: Series
+    d2h_pageable: Optional[Series] = None
 
 
-class PinnedCopies(_Record):
+class PinnedCopies(Record):
     """Pinned copies only (several GPUs copying at once; pageable copies block the host one GPU at a time)."""
 
     h2d: Series
@@ -137,7 +131,7 @@ class PinnedCopies(_Record):
     duplex_d2h: Series
 
 
-class CpuAdamProfile(_Record):
+class CpuAdamProfile(Record):
     """DeepSpeedCPUAdam (fp32 params, grads and states) over sizes and OpenMP thread counts."""
 
     by_threads: dict[int, Series]
@@ -147,7 +141,7 @@ class CpuAdamProfile(_Record):
     concurrent: dict[int, Series] = Field(default_factory=dict)
 
 
-class ConvertProfile(_Record):
+class ConvertProfile(Record):
     """fp32 -> half-precision conversion (the one the optimizer does after each update)."""
 
     dtype: Literal["bf16", "fp16"]
@@ -155,7 +149,7 @@ class ConvertProfile(_Record):
     gpu: Optional[Series]
 
 
-class ContentionProfile(_Record):
+class ContentionProfile(Record):
     """CPU Adam time alone and while both PCIe directions stream pinned memory."""
 
     elements: int
@@ -170,7 +164,7 @@ class ContentionProfile(_Record):
         return self.with_dma_s.median / self.alone_s.median
 
 
-class MultiGpuProfile(_Record):
+class MultiGpuProfile(Record):
     """The node's GPUs measured together, as the ranks of one node use them under the launcher."""
 
     gpus: list[int]  # CUDA device indices, in the launcher's order ([0:N) with --num_gpus N)
@@ -182,7 +176,7 @@ class MultiGpuProfile(_Record):
     copies: PinnedCopies  # every GPU copying at once; each sample is the slowest GPU's time
 
 
-class NodeProfile(_Record):
+class NodeProfile(Record):
     schema_version: int
     kind: Literal["dostune.node-profile"] = NODE_KIND
     name: str
@@ -207,132 +201,8 @@ class NodeProfile(_Record):
         return self.gpu is not None and self.copies is not None and self.gpu_adam is not None
 
 
-def _format_validation_error(path: str, err: ValidationError) -> str:
-    """One line: the file and its first problems (a message that wraps is still one line in a log)."""
-    problems = []
-    for e in err.errors()[:4]:
-        loc = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        problems.append(f"field '{loc}': {e['msg']}")
-    more = len(err.errors()) - 4
-    if more > 0:
-        problems.append(f"and {more} more problem(s)")
-    return f"{path} is not a valid dostune profile: " + "; ".join(problems)
-
-
-def read_json_record(path: str | os.PathLike, what: str) -> dict:
-    """Read a JSON object from ``path`` or raise ProfileError that names the file and the problem."""
-    p = Path(path)
-    if not p.exists():
-        raise ProfileError(f"{what} {p} does not exist")
-    if p.is_dir():
-        raise ProfileError(f"{what} {p} is a directory, not a JSON file")
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ProfileError(f"cannot read {what} {p}: {e.strerror or e}") from None
-    if not raw.strip():
-        raise ProfileError(f"{what} {p} is empty")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProfileError(f"{what} {p} is not a JSON text file (it holds binary data)") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    except RecursionError:
-        raise ProfileError(f"{p} is nested too deeply to be a {what}") from None
-    if not isinstance(data, dict):
-        raise ProfileError(f"{p} must hold a JSON object, found {type(data).__name__}")
-    return data
-
-
-def check_version(data: dict, path, kind: str, version: int, readable: tuple[int, ...] = ()) -> None:
-    """Refuse another kind of record or a schema version this dostune does not read (``version``, the one it
-    writes, or one of the older ``readable`` ones)."""
-    found_kind = data.get("kind")
-    if found_kind is not None and found_kind != kind:
-        raise ProfileError(f"{path} holds a '{found_kind}', expected a '{kind}'")
-    v = data.get("schema_version")
-    if v is None:
-        raise ProfileError(f"{path}: field 'schema_version' is missing; is this a dostune {kind} file?")
-    if v != version and v not in readable:
-        older = isinstance(v, int) and v < version
-        newer = isinstance(v, int) and v > version
-        raise ProfileError(f"{path}: field 'schema_version' is {v!r}, this dostune reads version {version}"
-                           + (" (the file is from an older dostune)" if older else
-                              " (the file is from a newer dostune)" if newer else ""),
-                           hint="make the file again with this dostune" if older else
-                           "upgrade dostune to read it" if newer else None)
-
-
 def load_node_profile(path: str | os.PathLike) -> NodeProfile:
-    data = read_json_record(path, "profile")
-    check_version(data, path, NODE_KIND, NODE_SCHEMA_VERSION, NODE_READABLE_VERSIONS)
-    try:
-        return NodeProfile.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(_format_validation_error(str(path), e)) from None
-
-
-@functools.lru_cache(maxsize=1)
-def _file_mode() -> int:
-    """The mode a plain open() would give a new file: 0666 less the umask (mkstemp's 0600 is for secrets). Read
-    once: reading the umask means setting it, which another thread creating a file at that moment would see."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def check_writable(path: str | os.PathLike, what: str, *, directory: bool = False) -> Path:
-    """Fail now, before any work, if ``path`` (a file, or with ``directory`` a folder) cannot be written: it is
-    the wrong kind of thing, lies under a file, or its nearest existing folder refuses a new file. Creates
-    nothing that stays behind (a probe file is made and removed)."""
-    p = Path(path)
-    if p.exists():
-        if directory and not p.is_dir():
-            raise DostuneError(f"{what} {p} is a file, not a folder", hint="give a folder path")
-        if not directory and p.is_dir():
-            raise DostuneError(f"{what} {p} is a folder, not a file", hint="give a file path inside it")
-    folder = p if directory else p.parent
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise DostuneError(f"{what} {p} cannot be created: {existing} is a file, not a folder",
-                           hint="choose a path whose folders are folders")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".dostune-write-check.", dir=existing)
-    except OSError as e:
-        raise DostuneError(f"{what} {p} cannot be written: {e.strerror or e} in {existing}",
-                           hint="choose a path in a folder you can write to") from None
-    os.close(fd)
-    os.unlink(probe)
-    return p
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write via a temporary file next to ``path`` and rename, so an interrupted write never leaves half a
-    file. The file gets the usual mode (0644 under the common umask)."""
-    p = Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    except OSError as e:
-        raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, p)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
-        raise
-    return p
-
-
-def save_record(record: BaseModel, path: str | os.PathLike) -> Path:
-    return atomic_write_text(path, record.model_dump_json(indent=2) + "\n")
+    return load_record(path, NodeProfile, "profile", NODE_KIND, NODE_SCHEMA_VERSION, NODE_READABLE_VERSIONS)
 
 
 def node_profile_schema() -> dict:

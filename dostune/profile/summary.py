@@ -50,6 +50,8 @@ def summary_rows(p: NodeProfile) -> list[Row]:
         for what, s in (("H2D pinned", c.h2d), ("D2H pinned", c.d2h), ("duplex H2D", c.duplex_h2d),
                         ("duplex D2H", c.duplex_d2h), ("H2D pageable", c.h2d_pageable)):
             rows.append(_rate_row(what, s, 1e9, "GB/s"))
+        if c.d2h_pageable is not None:
+            rows.append(_rate_row("D2H pageable", c.d2h_pageable, 1e9, "GB/s"))
     best = p.cpu_adam.best_threads
     for t, s in sorted(p.cpu_adam.by_threads.items()):
         r = _rate_row(f"CPU Adam {t} thr" + (" (best)" if t == best else ""), s, 1e9, "G elem/s")

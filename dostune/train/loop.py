@@ -15,7 +15,7 @@ from ..errors import ConfigError, DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
 from ..deepspeed_support import check_deepspeed
-from ..profile.record import check_writable, read_json_record
+from ..records import check_writable, read_json_record
 from ..tune.refit import check_fits
 from .checkpoint import load_latest, read_latest, save
 from .data import make_data

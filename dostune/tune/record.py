@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-TUNE_SCHEMA_VERSION = 2  # 2: world, host_budget_gib
+from ..records import Record
+
+# 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
+# figure (every new field optional: older files still parse)
+TUNE_SCHEMA_VERSION = 3
 TUNE_KIND = "dostune.tune-result"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PredictedTimes(_Record):
+class PredictedTimes(Record):
     fwd_s: Optional[float]
     bwd_s: Optional[float]
     step_s: float
@@ -28,9 +28,16 @@ class PredictedTimes(_Record):
     extra_step_gib: float
     extra_bwd_gib: float
     pinned_host_gib: float
+    # backward = compute (without the offload's gradient copies) + the copies it waits for + what the CPU lane working
+    # beside it adds (perfmodel/backward.py); None without a model profile
+    bwd_compute_s: Optional[float] = None
+    bwd_copies_s: Optional[float] = None
+    bwd_interference_s: Optional[float] = None
+    pinned: Optional[bool] = None  # ZeRO-Offload only: with page-locked host buffers (pin_memory)
+    measured_step: Optional[bool] = None  # ZeRO-Offload only: its step is the model profile's measurement
 
 
-class TrialRecord(_Record):
+class TrialRecord(Record):
     number: Optional[int] = None  # Optuna trial number (None for non-search entries)
     sub_group_size: int
     subgroups: int
@@ -39,10 +46,29 @@ class TrialRecord(_Record):
     feasible: bool = True
 
 
-class Validation(_Record):
-    """A schedule run for real next to its prediction."""
+def relative_error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """|predicted - measured| / measured (None when either is unknown)."""
+    if predicted is None or measured is None or measured <= 0:
+        return None
+    return abs(predicted - measured) / measured
+
+
+def median(values) -> Optional[float]:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+PHASES = ("fwd", "bwd", "step", "iter")
+
+
+class Validation(Record):
+    """A schedule (or ZeRO-Offload) run for real next to its prediction, phase by phase."""
 
     label: str
+    method: Literal["zero-offload", "dostune"] = "dostune"
     sub_group_size: int
     schedule: Optional[dict]
     predicted_iter_s: Optional[float]
@@ -50,15 +76,31 @@ class Validation(_Record):
     measured_iter_s: float
     measured_step_s: float
     measured_peak_gpu_gib: Optional[float]
+    predicted_fwd_s: Optional[float] = None
+    predicted_bwd_s: Optional[float] = None
+    measured_fwd_s: Optional[float] = None
+    measured_bwd_s: Optional[float] = None
+    predicted_peak_gpu_gib: Optional[float] = None
+
+    def predicted(self, phase: str) -> Optional[float]:
+        return getattr(self, f"predicted_{phase}_s")
+
+    def measured(self, phase: str) -> Optional[float]:
+        return getattr(self, f"measured_{phase}_s")
+
+    def error(self, phase: str) -> Optional[float]:
+        return relative_error(self.predicted(phase), self.measured(phase))
 
     @property
     def iter_error(self) -> Optional[float]:
-        if self.predicted_iter_s is None:
-            return None
-        return abs(self.predicted_iter_s - self.measured_iter_s) / self.measured_iter_s
+        return self.error("iter")
+
+    @property
+    def step_error(self) -> Optional[float]:
+        return self.error("step")
 
 
-class TuneResult(_Record):
+class TuneResult(Record):
     schema_version: int = TUNE_SCHEMA_VERSION
     kind: Literal["dostune.tune-result"] = TUNE_KIND
     created: str
@@ -85,12 +127,13 @@ class TuneResult(_Record):
     world: dict = Field(default_factory=lambda: {"nodes": 1, "gpus_per_node": 1})  # tuned for; predictions per rank
     host_budget_gib: Optional[float] = None  # pinned host memory the ranks of one node may hold together
     validation: list[Validation] = Field(default_factory=list)
+    validation_figure: Optional[str] = None  # predicted against measured, per phase and schedule (tune --validate)
     notes: list[str] = Field(default_factory=list)
 
     @property
     def median_iter_error(self) -> Optional[float]:
-        errs = sorted(e for e in (v.iter_error for v in self.validation) if e is not None)
-        if not errs:
-            return None
-        n = len(errs)
-        return errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2
+        return median(v.iter_error for v in self.validation)
+
+    def median_error(self, phase: str, method: Optional[str] = None) -> Optional[float]:
+        """The median relative error of ``phase`` over the validated rows (of one ``method``, or all)."""
+        return median(v.error(phase) for v in self.validation if method is None or v.method == method)

@@ -1,4 +1,5 @@
-"""The schedule search: what is searched, how one candidate is scored, and the exhaustive reference."""
+"""The schedule search: what is searched (declared once, in ``Space.choices``), how one candidate is scored, and the
+exhaustive reference."""
 from __future__ import annotations
 
 import itertools
@@ -8,19 +9,27 @@ from typing import Iterator, Optional
 from ..errors import DostuneError
 from ..optim.footprint import STATE_BYTES
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for
+from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.model import (GiB, Prediction, best_gpu_fraction, ds_step_overhead, gpu_count_for_share,
-                               grad_alloc_fractions, grad_ready_fractions, predict)
+from ..perfmodel.memory import GiB, grad_alloc_fractions, grad_ready_fractions
+from ..perfmodel.model import Prediction, best_gpu_fraction, gpu_count_for_share, predict
 from ..perfmodel.subgroups import subgroup_sizes
 from ..perfmodel.world import World, node_pinned_gib
+from ..perfmodel.zero_offload import ZeroOffloadPrediction, predict_zero_offload
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
 UPLOADS = ("gpu_convert", "cpu_convert")
+# which subgroups the GPU lane takes (ScheduleConfig.gpu_placement): "spread" is the Deep Optimizer States paper's
+# every k-th subgroup
+PLACEMENTS = ("first", "spread", "last")
+GPU_SHARE = "gpu_share"  # the GPU lane's share of the subgroups: a float in [0, 1] to Optuna, a count to a Candidate
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One point of the search space. Its fields other than gpu_count are ``Space.choices``' parameters."""
+
     sub_group_size: int
     gpu_count: int  # subgroups on the GPU lane
     staging_buffers: int
@@ -28,6 +37,7 @@ class Candidate:
     upload: str
     grads_on_gpu: bool
     overlap_backward: bool = False
+    gpu_placement: str = "first"
 
 
 class Space:
@@ -41,6 +51,7 @@ class Space:
         the ranks of one node may hold together (None: unchecked)."""
         self.node, self.model = node, model
         self.numels = param_numels
+        self._sizes: dict[int, tuple[int, ...]] = {}
         self.world = world
         self.world_size = world.size
         self.host_budget_gib = host_budget_gib
@@ -48,10 +59,11 @@ class Space:
         self.sub_group_sizes = [s for s in sub_group_sizes if s < total] or [total]
         self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
         self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
-        ds_sizes = subgroup_sizes(param_numels, model.ds_sub_group_size or 100_000_000, world.size)
-        self.overhead_s = ds_step_overhead(model, ds_sizes, node)
+        self.ds_sub_group_size = model.ds_sub_group_size or 100_000_000
+        # every coefficient of the model, from the two profiles (perfmodel/coefficients.py)
+        self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
+        self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
         self._profile_subgroups = profile_subgroups
-        self._sizes: dict[int, tuple[int, ...]] = {}
         self._fractions: dict[int, tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]] = {}
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
@@ -91,7 +103,8 @@ class Space:
         # (results/h100/swing-gpt2-1.3b/).
         swing = max(0, min(c.gpu_count, n) - resident) if c.overlap_backward else 0
         return ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
-                              cpu_threads=c.cpu_threads, upload=c.upload, grads_on_gpu=c.grads_on_gpu,
+                              gpu_placement=c.gpu_placement, cpu_threads=c.cpu_threads, upload=c.upload,
+                              grads_on_gpu=c.grads_on_gpu,
                               overlap_backward=c.overlap_backward, resident_subgroups=resident, adaptive_swing=swing,
                               expected_subgroups=n)
 
@@ -100,8 +113,14 @@ class Space:
 
     def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig) -> Prediction:
         """The model's prediction for any schedule at ``sub_group_size`` on this node and model."""
-        return predict(self.sizes(sub_group_size), sub_group_size, sched, self.node, self.model, self.overhead_s,
+        return predict(self.sizes(sub_group_size), sub_group_size, sched, self.coeffs, self.model,
                        self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size))
+
+    def zero_offload(self) -> ZeroOffloadPrediction:
+        """DeepSpeed's ZeRO-Offload at the model profile's sub_group_size, as this host's memory holds it (the form
+        the model profile ran it in)."""
+        return predict_zero_offload(self.coeffs, self.model, self.sizes(self.ds_sub_group_size),
+                                    self.ds_sub_group_size)
 
     def evaluate(self, c: Candidate) -> Prediction:
         """The candidate's prediction, with as many resident subgroups as the memory limits leave room for."""
@@ -162,13 +181,34 @@ class Space:
         """overlap_backward is only searched when the model profile says when gradients become final."""
         return self.model.bwd_s is not None and self.grad_ready(self.sub_group_sizes[0]) is not None
 
+    def choices(self) -> dict[str, list]:
+        """Every searched parameter but the GPU lane's share, with its values: the one declaration Optuna's trials,
+        the exhaustive reference and the enqueued seeds all read."""
+        out = {"sub_group_size": list(self.sub_group_sizes), "gpu_placement": list(PLACEMENTS),
+               "staging_buffers": list(BUFFERS), "cpu_threads": list(self.threads), "upload": list(UPLOADS),
+               "grads_on_gpu": [True, False]}
+        if self.overlap_possible:
+            out["overlap_backward"] = [False, True]
+        return out
+
+    def candidate(self, params: dict) -> Candidate:
+        """The candidate of a trial's parameters (``GPU_SHARE`` a float in [0, 1], the others ``choices``')."""
+        n = len(self.sizes(params["sub_group_size"]))
+        return Candidate(gpu_count=round(params[GPU_SHARE] * n),
+                         **{k: v for k, v in params.items() if k != GPU_SHARE})
+
+    def params(self, c: Candidate) -> dict:
+        """A candidate as a trial's parameters (``candidate``'s inverse)."""
+        n = len(self.sizes(c.sub_group_size))
+        return {GPU_SHARE: c.gpu_count / n, **{k: getattr(c, k) for k in self.choices()}}
+
     def all_candidates(self) -> Iterator[Candidate]:
-        overlaps = (False, True) if self.overlap_possible else (False,)
-        for sgs in self.sub_group_sizes:
-            n = len(self.sizes(sgs))
-            for k, b, t, u, g, o in itertools.product(range(n + 1), BUFFERS, self.threads, UPLOADS, (True, False),
-                                                      overlaps):
-                yield Candidate(sgs, k, b, t, u, g, o)
+        choices = self.choices()
+        names = [k for k in choices if k != "sub_group_size"]
+        for sgs in choices["sub_group_size"]:
+            for k in range(len(self.sizes(sgs)) + 1):
+                for values in itertools.product(*(choices[name] for name in names)):
+                    yield Candidate(sub_group_size=sgs, gpu_count=k, **dict(zip(names, values)))
 
 
 def brute_force(space: Space) -> tuple[Candidate, Prediction]:

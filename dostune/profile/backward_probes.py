@@ -1,0 +1,152 @@
+"""Backward passes of the ZeRO-Offload engine that `dostune profile --model` adds after its timed iterations:
+
+* without the offload's gradient copies: each gradient partition is dropped on the device instead of copied to the
+  host, so backward is its compute and ZeRO-3's hooks alone (``backward_no_copy_s``). ZeRO-Offload's backward is this
+  plus its copies; dostune's is this plus its own, fewer, copies into page-locked memory;
+* the same with dostune's CPU-lane kernel working beside it in a thread (``backward_lane``), as ``overlap_backward``
+  runs it: how much the lane slows backward's host-bound hooks, and how fast the lane runs beside them.
+
+No step follows these passes (the gradients they leave are not used): the engine is measured, not trained, from here
+on. docs/performance-model.md says how the model uses them.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import DostuneError
+from ..stats import Stat
+from .model_record import BackwardLaneProfile
+from .timing import NullProgress, ProgressSink, time_cpu
+
+
+def drop_gradient_copies(opt) -> Callable:
+    """A ``partition_grads`` for ``opt`` that releases each parameter's gradient as DeepSpeed's does but copies its
+    partition nowhere (it stays on the device, unused)."""
+    from deepspeed.accelerator import get_accelerator
+
+    synchronized = get_accelerator().is_synchronized_device()
+
+    def partition(params_to_release, grad_partitions):
+        for param in params_to_release:
+            if not synchronized and param.grad is not None:
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+        return list(grad_partitions)
+
+    return partition
+
+
+class LaneLoad:
+    """dostune's CPU-lane kernel (out-of-place CPU Adam: half-precision gradients in, fp32 states and half-precision
+    parameters out, streaming stores) on a scratch subgroup of ``elements``, round after round in a worker thread while
+    the context is open, with Python's GIL switch interval the CPU lane sets while it works."""
+
+    def __init__(self, elements: int, threads: int, half: torch.dtype = torch.bfloat16):
+        from ..optim import cpu_kernel
+        from ..optim.kernels import AdamScalarShadow
+
+        cpu_kernel.load()  # build (or find) the kernel before any buffer: a missing compiler is said first
+        self._kernel = cpu_kernel
+        gen = torch.Generator().manual_seed(0)
+        self.elements, self.threads = elements, threads
+        self.p = torch.randn(elements, generator=gen)
+        self.g = (torch.randn(elements, generator=gen) * 1e-3).to(half)
+        self.m, self.v = torch.zeros(elements), torch.zeros(elements)
+        self.out = [torch.empty(elements) for _ in range(3)]
+        self.half = torch.empty(elements, dtype=half)
+        shadow = AdamScalarShadow(0.9, 0.999)
+        shadow.increment(1, 0.9, 0.999)
+        self.scalars = shadow.scalars(1e-4, 1e-8, 0.01, True, True)
+        self.spans: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._switch: Optional[float] = None
+
+    def update(self) -> None:
+        self._kernel.adam_out_of_place(self.p, self.g, self.m, self.v, *self.out, self.scalars, inv_scale=1.0,
+                                       half_out=self.half, threads=self.threads, nontemporal=True)
+
+    def alone(self, repeats: int) -> Stat:
+        return time_cpu(self.update, repeats)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            self.update()
+            self.spans.append((t0, time.perf_counter()))
+
+    def __enter__(self) -> "LaneLoad":
+        from ..optim.overlap import LANE_SWITCH_INTERVAL_S
+
+        self._stop.clear()
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, LANE_SWITCH_INTERVAL_S))
+        self._thread = threading.Thread(target=self._run, name="dostune-lane-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+
+    def within(self, windows: list[tuple[float, float]]) -> list[float]:
+        """Durations of the updates that ran inside one of ``windows``: whole ones, else (windows shorter than an
+        update) every update that overlapped one."""
+        inside = [b - a for a, b in self.spans if any(w0 <= a and b <= w1 for w0, w1 in windows)]
+        return inside or [b - a for a, b in self.spans if any(a < w1 and b > w0 for w0, w1 in windows)]
+
+
+def lane_threads() -> int:
+    """The CPU lane's default thread count during backward: one fewer than the step's (torch's), leaving a core to
+    backward's own host work (ScheduleConfig.backward_cpu_threads)."""
+    return max(1, torch.get_num_threads() - 1)
+
+
+def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, lane_elements: int,
+                            half: torch.dtype, progress: Optional[ProgressSink] = None
+                            ) -> tuple[Stat, Optional[BackwardLaneProfile], list[str]]:
+    """``backward()``: one forward (untimed) and backward of the engine whose optimizer is ``opt``, returning
+    (start, end) of the backward on the host clock, synchronised. Returns the backward without gradient copies, the
+    lane beside it (None, with a note, where dostune's kernel cannot be built), and notes."""
+    progress = progress or NullProgress()
+    progress.start("backward without gradient copies, alone and beside the CPU lane", 2 * repeats + 1)
+    notes: list[str] = []
+    before = opt.partition_grads  # DeepSpeed's own, or a profiling wrapper of it: put back as found
+    opt.partition_grads = drop_gradient_copies(opt)
+    try:
+        def timed() -> tuple[float, float]:
+            try:
+                return backward()
+            finally:
+                opt.zero_grad()  # no step follows: start the next pass as a fresh iteration
+                progress.advance()
+
+        timed()  # warm-up: the first pass without copies
+        alone = [timed() for _ in range(repeats)]
+        no_copy = Stat.of([b - a for a, b in alone])
+        try:
+            lane = LaneLoad(lane_elements, lane_threads(), half)
+        except (DostuneError, OSError) as e:
+            notes.append(f"backward beside the CPU lane not measured ({str(e).splitlines()[0]}): the performance model "
+                         "uses its documented fallbacks")
+            return no_copy, None, notes
+        lane_alone = lane.alone(repeats)
+        windows, beside = [], []
+        for _ in range(repeats):
+            with lane:
+                windows.append(timed())
+        beside = lane.within(windows)
+        if not beside:
+            notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
+            return no_copy, None, notes
+        return no_copy, BackwardLaneProfile(
+            threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone, lane_beside_s=Stat.of(beside),
+            backward_s=Stat.of([b - a for a, b in windows])), notes
+    finally:
+        opt.partition_grads = before

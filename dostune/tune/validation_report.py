@@ -1,0 +1,82 @@
+"""The performance model checked across models: reads the tune.json of `dostune tune --validate` runs (one per
+model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
+ZeRO-Offload, against the bounds the model is held to.
+
+    python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
+
+Exit status 0 when every model is within the bounds, 1 when one is not (the table says which), 2 on a bad file.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import DostuneError
+from ..records import atomic_write_text, read_json_record
+from .record import TuneResult
+
+# per model, the median error over its validated rows of each method
+ITER_BOUND, STEP_BOUND = 0.10, 0.20
+METHODS = ("dostune", "zero-offload")
+
+
+def load(path: "str | Path") -> TuneResult:
+    data = read_json_record(path, "tuning result")
+    try:
+        return TuneResult.model_validate(data)
+    except ValueError as e:
+        raise DostuneError(f"{path} is not a dostune tuning result: {str(e).splitlines()[0]}") from None
+
+
+def summarize(results: list[TuneResult]) -> list[dict]:
+    """One row per model and method with validated rows: their count, median iteration and step errors and whether
+    they are within the bounds."""
+    out = []
+    for res in results:
+        for method in METHODS:
+            n = sum(1 for v in res.validation if v.method == method)
+            if not n:
+                continue
+            it, st = res.median_error("iter", method), res.median_error("step", method)
+            out.append({"model": res.model, "params": res.params, "method": method, "rows": n, "iter": it,
+                        "step": st, "bwd": res.median_error("bwd", method),
+                        "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
+    return out
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
+             f"step <= {STEP_BOUND:.0%})", "",
+             "| model | parameters | method | rows | iteration | step | backward | within |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
+                     f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dostune.tune.validation_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", type=Path, help="tune.json files written by dostune tune --validate")
+    ap.add_argument("--output", type=Path, help="also write the table to this file")
+    args = ap.parse_args(argv)
+    try:
+        rows = summarize([load(p) for p in args.results])
+    except DostuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = markdown(rows)
+    print(text, end="")
+    if args.output is not None:
+        atomic_write_text(args.output, text)
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

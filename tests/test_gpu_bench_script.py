@@ -1,0 +1,69 @@
+"""scripts/gpu-bench.sh's validate:MODEL and report steps (the performance model's proof on a GPU machine), run here
+with a stand-in `dostune` that records its arguments: the commands each step runs, and the report over what the
+validations wrote."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dostune.bench.record import MethodResult
+from dostune.profile.paths import shipped_profile
+from dostune.tune.search import TuneOptions, run_tune
+from dostune.tune.validate import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _validated(tmp_path) -> Path:
+    res, _, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=3,
+                                     output_dir=tmp_path / "tuned"))
+
+    def measured(name, spec, opts, offload, progress):  # as predicted, 5% slower in every phase
+        p = res.ds_offload if name == "zero-offload" else res.top[0].predicted
+        return MethodResult(method=name, description="", iter_s=1.05 * p.iter_s, fwd_s=1.05 * p.fwd_s,
+                            bwd_s=1.05 * p.bwd_s, step_s=1.05 * p.step_s)
+
+    res.validation = validate(res, 1, seq=1024, runner=measured, host_available=120 * 2**30)
+    path = tmp_path / "validated-tune.json"
+    path.write_text(res.model_dump_json())
+    return path
+
+
+def test_validate_steps_profile_tune_and_report(tmp_path):
+    fixture = _validated(tmp_path)
+    calls = tmp_path / "calls.txt"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "dostune"
+    stub.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+if [ "$1" = tune ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && cp {fixture} "$2/tune.json"; shift; done
+fi
+""")
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
+           "NODE": "n1", "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(sys.executable).parents[1])),
+           "PYTHONPATH": str(ROOT)}
+    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "report"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "run the profile step first" in r.stderr  # no node profile yet: said, not run
+    out.mkdir(exist_ok=True)
+    (out / "node.json").write_text("{}")
+    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "validate:hf=tests/data/tiny-llama.json:--micro-batch+2",
+           "report"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = calls.read_text().splitlines()
+    v = out / "validate-gpt2-tiny"
+    assert lines[0] == (f"profile --model gpt2-tiny --micro-batch 8 --seq 1024 --name n1 --output {v}/model-profile.json "
+                        f"--plot {v}/model-profile.png --force")
+    assert lines[1] == (f"tune --model gpt2-tiny --profile {out}/node.json --model-profile {v}/model-profile.json "
+                        f"--validate 3 --output-dir {v} --storage sqlite:///{v}/study.db")
+    h = out / "validate-tiny-llama"
+    assert lines[2].startswith("profile --model hf:tests/data/tiny-llama.json ") and lines[2].endswith("--micro-batch 2")
+    assert lines[3].startswith(f"tune --model hf:tests/data/tiny-llama.json --profile {out}/node.json "
+                               f"--model-profile {h}/model-profile.json") and lines[3].endswith("--micro-batch 2")
+    report = (out / "validation-report.md").read_text()
+    assert report.count("| gpt2-1.3b |") == 4 and "| NO |" not in report  # two validations, two methods each

@@ -1,0 +1,196 @@
+"""GPU memory pressure (docs/faults.md): when the GPU lane cannot allocate its memory at a step, that step's GPU-lane
+subgroups are updated by DeepSpeed's own update on the host instead, a warning says so once, and the next step
+uses the GPU lane again. The allocation failures are injected into the CPU emulation of the GPU lane (as in
+test_parity.py); the results must still be DeepSpeed's, bit for bit."""
+import logging
+
+import pytest
+import torch
+
+from dostune.optim.schedule import ScheduleConfig
+
+from parity_helpers import base_settings, reference, run
+from test_parity import check
+
+STEPS = 12
+FAIL_AT = (2, 5, 6, 9)  # two in a row: the step after a fallback may fall back again
+
+SCHEDULES = {
+    # subgroups 0-2 stream through two slots, their gradients kept on the lane's device
+    "streamed": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2, trace=True),
+    # ... or streamed in from DeepSpeed's fp32 host buffer
+    "streamed-host-grads": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", staging_buffers=2,
+                                          grads_on_gpu=False, trace=True),
+    # the CPU lane (2-4) runs during backward; the fallen subgroups 0-1 are updated at the step
+    "overlap": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True, trace=True),
+    # subgroup 0's states stay on the device: it keeps the GPU lane while 1 and 2 fall back
+    "resident": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", resident_subgroups=1, staging_buffers=1,
+                               trace=True),
+    # every subgroup on the GPU lane: a failed step leaves the lane's Adam (and DeepSpeed's) without a call
+    "all-gpu-lane": ScheduleConfig(gpu_fraction=1.0, staging_buffers=3, trace=True),
+}
+
+
+class Pressure:
+    """Makes the GPU lane's allocations fail at chosen steps, and keeps each step's trace."""
+
+    def __init__(self, slots_at=(), grads_at=None):
+        self.slots_at = set(slots_at)
+        self.grads_at = grads_at or {}  # step -> subgroups whose kept-gradient buffer cannot be allocated
+        self.step = 0
+        self.traces: list[list] = []
+        self.opt = None
+
+    def install(self, opt):
+        self.opt, dos = opt, opt._dos
+        new_slot, device_buffer, step = dos.streamed._new_slot, dos.grads._device_buffer, dos.step
+
+        def failing_slot():
+            if self.step in self.slots_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return new_slot()
+
+        def failing_buffer(i):
+            if i in self.grads_at.get(self.step, ()):
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return device_buffer(i)
+
+        def counted_step():
+            step()
+            self.traces.append(opt.dostune_last_trace)
+            self.step += 1
+
+        dos.streamed._new_slot, dos.grads._device_buffer, dos.step = failing_slot, failing_buffer, counted_step
+
+    def lanes(self, step: int) -> dict[int, set]:
+        """Subgroup -> the lanes that worked on it at ``step``."""
+        out: dict[int, set] = {}
+        for span in self.traces[step]:
+            out.setdefault(span.subgroup, set()).add(span.lane)
+        return out
+
+
+def pressure_warnings(caplog) -> list:
+    return [r for r in caplog.records if r.name == "dostune.optim.pressure" and r.levelno == logging.WARNING]
+
+
+def run_under_pressure(caplog, sched: ScheduleConfig, pressure: Pressure, **train_kw):
+    train = base_settings(precision="bf16", **train_kw)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dostune.optim.pressure"):
+        ours = run(train, sched, steps=STEPS, adjust=pressure.install)
+    ref = reference(train, steps=STEPS)
+    check(ours, ref)
+    assert torch.equal(ours["weights"], ref["weights"])  # on the CPU the lanes are DeepSpeed's arithmetic exactly
+    assert len(pressure.traces) == STEPS
+    assert len(pressure_warnings(caplog)) == 1
+    return ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_failed_staging_sends_the_steps_gpu_lane_to_the_cpu(caplog, name):
+    sched = SCHEDULES[name]
+    pressure = Pressure(slots_at=FAIL_AT)
+    ours = run_under_pressure(caplog, sched, pressure)
+    plan = pressure.opt.dostune_plan
+    streamed = [s.subgroup for s in plan.gpu_slots]
+    assert streamed and pressure.opt._dos.step_plan is plan  # the run's plan is back after the last fallback
+    assert ours["pressure"] == {"fallback_steps": len(FAIL_AT), "fallback_subgroups": len(FAIL_AT) * len(streamed),
+                                "upload_fallback_steps": 0}
+    assert str(streamed) in pressure_warnings(caplog)[0].getMessage()
+    for step in range(STEPS):
+        lanes = pressure.lanes(step)
+        for i in streamed:  # updated on the host when the slots failed, on the GPU lane at every other step
+            assert lanes[i] == ({"cpu", "up"} if step in FAIL_AT else {"h2d", "gpu", "d2h"}), (step, i)
+        for i in plan.resident:  # its states are on the device already: it needs no slot
+            assert "gpu" in lanes[i] and "cpu" not in lanes[i], (step, i)
+        for i in plan.cpu_order:
+            assert "gpu" not in lanes.get(i, set()), (step, i)
+    if sched.overlap_backward:  # the CPU lane's own subgroups still ran during backward, committed at each step
+        assert ours["overlap"]["committed"] == STEPS * len(plan.cpu_order)
+
+
+@pytest.mark.slow
+def test_failed_gradient_buffers_send_those_subgroups_to_the_cpu(caplog):
+    """The kept gradients are allocated during backward, one buffer per GPU-lane subgroup: a subgroup that cannot
+    get one is offloaded by DeepSpeed and updated on the host, a resident one from its states brought back first;
+    the other GPU-lane subgroups stay on the GPU lane."""
+    sched = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True, resident_subgroups=1,
+                           staging_buffers=1, trace=True)  # 0 resident, 1-2 streamed, 3-4 CPU lane in backward
+    lost = {1: (0,), 3: (2,), 4: (0, 1, 2), 8: (0,)}
+    pressure = Pressure(grads_at=lost)
+    ours = run_under_pressure(caplog, sched, pressure)
+    assert ours["pressure"] == {"fallback_steps": 4, "fallback_subgroups": 6, "upload_fallback_steps": 0}
+    for step in range(STEPS):
+        lanes = pressure.lanes(step)
+        for i in (0, 1, 2):
+            on_cpu = i in lost.get(step, ())
+            assert ("cpu" in lanes[i]) == on_cpu and ("gpu" in lanes[i]) != on_cpu, (step, i)
+        # the resident subgroup's device copy is uploaded again after the host updated it (and at the first step)
+        assert ("h2d" in lanes[0]) == (step == 0 or 0 in lost.get(step - 1, ())), step
+
+
+@pytest.mark.slow
+def test_resident_copies_that_cannot_be_made_wait_on_the_host(caplog, monkeypatch):
+    """The resident subgroups' device copies are made at the first step and kept for the run: while the device
+    cannot give them, those subgroups are updated on the host, and their copies are made at the next step."""
+    from dostune.optim import gpu_lane
+
+    sched = ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", resident_subgroups=2, trace=True)  # 0-1, no slots
+    pressure = Pressure()
+    empty_buffers = gpu_lane.empty_buffers
+
+    def failing(n, device=None):
+        if pressure.step in (0, 1):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return empty_buffers(n, device)
+
+    monkeypatch.setattr(gpu_lane, "empty_buffers", failing)
+    ours = run_under_pressure(caplog, sched, pressure)
+    assert ours["pressure"] == {"fallback_steps": 2, "fallback_subgroups": 4, "upload_fallback_steps": 0}
+    assert "resident copies" in pressure_warnings(caplog)[0].getMessage()
+    for step in range(STEPS):
+        lanes = pressure.lanes(step)
+        for i in (0, 1):
+            expect = {"cpu", "up"} if step < 2 else {"h2d", "gpu"} if step == 2 else {"gpu"}
+            assert lanes[i] == expect, (step, i)
+
+
+def test_cpu_lane_uploads_with_deepspeeds_copy_when_its_buffer_cannot_be_allocated(caplog, monkeypatch):
+    """gpu_convert's device buffer, allocated at each step: without it, DeepSpeed's own blocking copy (converted on
+    the host) writes the same half-precision values. The fake streams stand in for a CUDA device's."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from dostune.optim.cpu_lane import _Fp32Upload
+    from dostune.optim.pressure import MemoryPressure
+
+    class NoRoomQueues:
+        streams = {"up": SimpleNamespace(synchronize=lambda: None)}
+
+        def on(self, name):
+            return contextlib.nullcontext()
+
+    real_empty = torch.empty
+
+    def no_device_memory(*args, device=None, **kw):
+        if device is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_empty(*args, **kw)
+
+    pressure = MemoryPressure()
+    up = _Fp32Upload(NoRoomQueues(), torch.device("cpu"), pressure)
+    src = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="dostune.optim.pressure"):
+        for step in range(2):
+            monkeypatch.setattr(torch, "empty", no_device_memory)
+            up.begin(100, torch.bfloat16)
+            monkeypatch.undo()
+            dst, trace = torch.zeros(100, dtype=torch.bfloat16), []
+            up.send(0, 3, src, dst, trace)
+            up.end()
+            assert torch.equal(dst, src.to(torch.bfloat16)) and [s[:2] for s in trace] == [("up", 3)]
+        pressure.gpu_lane_fell_back((0, 1), "staging slots")
+    assert pressure.stats == {"fallback_steps": 1, "fallback_subgroups": 2, "upload_fallback_steps": 2}
+    assert len(pressure_warnings(caplog)) == 1 and "upload buffer" in pressure_warnings(caplog)[0].getMessage()

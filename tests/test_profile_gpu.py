@@ -1,0 +1,39 @@
+"""The profiles' schema-3 measurements on a GPU, at tiny sizes (marked gpu; on a GPU machine run them with
+scripts/gpu-tests.sh): what the performance model's coefficients come from (docs/performance-model.md)."""
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_pageable_device_to_host_copies_are_measured():
+    from dostune.profile.copies import measure_copies
+
+    c = measure_copies([1 << 20, 4 << 20], repeats=2)
+    assert [p.size for p in c.d2h_pageable.points] == [1 << 20, 4 << 20]
+    assert c.d2h_pageable.fit.rate_per_s > 1e8  # anything slower than 0.1 GB/s is a broken measurement
+    assert all(p.seconds.median > 0 for p in c.d2h_pageable.points)
+
+
+def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
+    from dostune.perfmodel.coefficients import Coefficients
+    from dostune.perfmodel.inputs import ModelInputs, NodeInputs
+    from dostune.profile.model import ModelProfileOptions, measure_model
+    from dostune.profile.paths import shipped_profile
+    from dostune.profile.record import load_node_profile
+
+    prof = measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
+                                             reduce_bucket_size=3_000, iters=2, warmup=1, lane_elements=1_000_000),
+                         command="pytest")
+    assert prof.device == "cuda" and prof.offload_pin_memory is True
+    assert prof.backward_no_copy_s.median > 0
+    # dropping the copies leaves less to do than ZeRO-Offload's backward with them
+    assert prof.backward_no_copy_s.median < 1.5 * prof.phases["bwd"].time_s.median
+    lane = prof.backward_lane
+    assert lane is not None and lane.lane_beside_s.n >= 1 and lane.backward_s.median > 0
+    assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
+    assert prof.step_parts_s["_partition_all_parameters"] > 0
+    m = ModelInputs.from_profile(prof)
+    c = Coefficients.of(NodeInputs.from_profile(load_node_profile(shipped_profile())), m,
+                        [s.numel for s in prof.subgroups])
+    assert not [n for n in c.notes if "re-profile the model" in n]
+    assert c.backward.slowdown >= 1.0 and 0 < c.shape.release_share <= c.shape.prologue_share <= 1

@@ -1,0 +1,115 @@
+"""`dostune tune --validate`: the rows it records, its figure and the report across models, on the CPU with a fake
+measurement in place of the bench's GPU runs (which tests/test_gpu.py and scripts/gpu-bench.sh validate:MODEL run)."""
+import json
+
+import pytest
+
+from dostune.bench.record import MethodResult
+from dostune.errors import NotAvailable
+from dostune.profile.paths import shipped_profile
+from dostune.tune import validation_report
+from dostune.tune.record import TuneResult
+from dostune.tune.search import TuneOptions, run_tune
+from dostune.tune.validate import validate
+from dostune.tune.validation_figure import plot_validation
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    res, _, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=12,
+                                     output_dir=tmp_path_factory.mktemp("tune")))
+    return res
+
+
+class FakeBench:
+    """Measures each method as its prediction times ``scale`` (per phase), and remembers what it was asked to run."""
+
+    def __init__(self, scale):
+        self.scale, self.calls = scale, []
+
+    def __call__(self, name, spec, opts, offload, progress):
+        self.calls.append((name, opts, offload))
+        k = len(self.calls) - 1
+        if name == "dostune" and k == 2:
+            return MethodResult(method=name, description="", ran=False, error="out of memory")
+        f, b, s = self.scale
+        base = (0.13, 0.25, 1.14) if name == "zero-offload" else (0.13, 0.24, 0.12)
+        fwd, bwd, step = base[0] * f, base[1] * b, base[2] * s
+        return MethodResult(method=name, description="", iter_s=fwd + bwd + step, fwd_s=fwd, bwd_s=bwd, step_s=step,
+                            peak_gpu_gib=20.0)
+
+
+def test_validate_records_every_phase_of_zero_offload_and_each_schedule(tuned):
+    bench = FakeBench((1.1, 0.9, 1.5))
+    rows = validate(tuned, 3, seq=1024, runner=bench, host_available=120 * 2**30)
+    names = [c[0] for c in bench.calls]
+    assert names == ["zero-offload", "dostune", "dostune", "dostune"]
+    # clipping off: the model predicts steps that do not clip; ZeRO-Offload pinned where the host holds it,
+    # dostune's own pinning in place (DeepSpeed's pin_memory off) with the tuned schedule
+    for _, opts, off in bench.calls:
+        assert opts.clip == 0.0 and opts.train.clip == 0.0 and opts.micro_batch == tuned.micro_batch
+    assert bench.calls[0][2].pin_memory and bench.calls[0][2].sub_group_size == tuned.ds_sub_group_size
+    assert not bench.calls[1][2].pin_memory and bench.calls[1][2].schedule.trace
+    assert bench.calls[1][2].sub_group_size == tuned.top[0].sub_group_size
+    # the schedule that failed to run is left out, not recorded as a measurement
+    assert [v.label for v in rows] == ["zero-offload", "dostune #1", "dostune #3"]
+    zo, first = rows[0], rows[1]
+    assert zo.method == "zero-offload" and first.method == "dostune" and first.schedule == tuned.top[0].schedule
+    assert zo.predicted_step_s == tuned.ds_offload.step_s and first.predicted_bwd_s == tuned.top[0].predicted.bwd_s
+    assert first.measured_bwd_s == pytest.approx(0.24 * 0.9)
+    assert first.error("fwd") == pytest.approx(abs(tuned.top[0].predicted.fwd_s - 0.143) / 0.143)
+    assert first.step_error == pytest.approx(abs(first.predicted_step_s - 0.18) / 0.18)
+
+
+def test_validate_runs_zero_offload_pageable_where_the_host_cannot_pin_it(tuned):
+    bench = FakeBench((1.0, 1.0, 1.0))
+    rows = validate(tuned, 1, seq=1024, runner=bench, host_available=26 * 2**30)
+    assert not bench.calls[0][2].pin_memory and "pin_memory false" in rows[0].label
+    bench = FakeBench((1.0, 1.0, 1.0))
+    rows = validate(tuned, 1, seq=1024, runner=bench, host_available=2 * 2**30)  # not even pageable: not run
+    assert [c[0] for c in bench.calls] == ["dostune"] and rows[0].method == "dostune"
+
+
+def test_validate_needs_a_gpu_without_a_runner(tuned):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(NotAvailable, match="needs a CUDA GPU"):
+        validate(tuned, 1, seq=1024)
+
+
+def test_figure_record_and_report(tuned, tmp_path):
+    res = tuned.model_copy(deep=True)
+    res.validation = validate(res, 2, seq=1024, runner=FakeBench((1.0, 1.05, 1.1)), host_available=120 * 2**30)
+    png = plot_validation(res, tmp_path / "validation.png")
+    assert png.stat().st_size > 10_000
+    res.validation_figure = str(png)
+    path = tmp_path / "tune.json"
+    path.write_text(res.model_dump_json())
+    again = TuneResult.model_validate_json(path.read_text())
+    assert again.validation == res.validation and again.validation_figure == str(png)
+    assert again.median_error("step", "zero-offload") == pytest.approx(abs(res.ds_offload.step_s - 1.254) / 1.254)
+    # a tune.json of schema 2 (before the phases were recorded) still reads
+    old = json.loads(path.read_text())
+    old["schema_version"] = 2
+    for v in old["validation"]:
+        for k in ("method", "predicted_fwd_s", "predicted_bwd_s", "measured_fwd_s", "measured_bwd_s",
+                  "predicted_peak_gpu_gib"):
+            del v[k]
+    del old["validation_figure"]
+    assert TuneResult.model_validate(old).median_iter_error is not None
+    # the report across models: every row within the bounds here, one model off by more than 10% below
+    off = res.model_copy(deep=True)
+    off.validation = validate(off, 1, seq=1024, runner=FakeBench((1.0, 2.0, 1.0)), host_available=120 * 2**30)
+    off.model = "other"
+    (tmp_path / "off.json").write_text(off.model_dump_json())
+    out = tmp_path / "report.md"
+    code = validation_report.main([str(path), str(tmp_path / "off.json"), "--output", str(out)])
+    text = out.read_text()
+    rows = validation_report.summarize([again, off])
+    assert [(r["model"], r["method"]) for r in rows] == [("gpt2-1.3b", "dostune"), ("gpt2-1.3b", "zero-offload"),
+                                                          ("other", "dostune"), ("other", "zero-offload")]
+    assert code == (0 if all(r["ok"] for r in rows) else 1)
+    assert not rows[3]["ok"] and "| other | 1.31B | zero-offload | 1 |" in text and "| NO |" in text
+    assert validation_report.main([str(tmp_path / "missing.json")]) == 2
