@@ -1,12 +1,16 @@
-"""`dostune check`: compare a bench result with a stored baseline, as a CI gate.
+"""`dostune check`: compare a bench result (or a CPU gate run) with a stored baseline, as a CI gate.
 
-Two kinds of comparison:
+Three kinds of comparison:
 * absolute: per method and phase (forward, backward, step, iteration), current / baseline median time.
   Meaningful on the same machine only.
 * relative: dostune's speedup over ZeRO-Offload, measured within one run, so it survives a change of
   machine or a noisy one (``ratio_only``).
 
-Noise rule: a slowdown is a regression only when it exceeds both the tolerance and the measured spread
+* the CPU gate (bench/gate.py): this tree's optimizer step over a pinned commit's, timed in one run, taking
+  turns; its statistic is built to be stable on a busy machine, so the tolerance alone decides
+  (``compare_gate``).
+
+Noise rule (bench results): a slowdown is a regression only when it exceeds both the tolerance and the measured spread
 (half the interquartile range of each run's samples, relative to its median, added together; the half
 min-max range for results recorded with too few samples for quartiles).
 """
@@ -18,6 +22,7 @@ from xml.etree import ElementTree as ET
 
 from ..errors import DostuneError
 from ..stats import Stat
+from .gate import GateBaseline, GateRun
 from .record import BenchResult
 
 PHASES = ("fwd", "bwd", "step", "iter")
@@ -117,6 +122,23 @@ def compare(base: BenchResult, cur: BenchResult, tolerance: float, ratio_only: b
                                    note="dostune vs ZeRO-Offload, measured within each run"))
     if not rep.findings:
         raise UnusableInput("nothing to compare: the baseline and the current result share no method that ran")
+    return rep
+
+
+def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckReport:
+    """The CPU gate: a regression when this tree's step took more than ``tolerance`` longer than the pinned
+    commit's, both measured in the same run, taking turns (the ratio on an unchanged tree is 1)."""
+    if not 0 <= tolerance < 10:
+        raise UnusableInput(f"--max-regression must be a fraction like 0.05 (5%), got {tolerance}")
+    s = base.settings
+    note = (f"this tree's optimizer step over commit {base.baseline_commit[:12]}'s: CPU time, {s.quantile:.0%} "
+            f"quantile of {s.pairs} steps each, taking turns (wall clock: {run.wall_ratio:.3f}; noise: half the "
+            f"spread of the {len(run.engine_ratios)} engine pairs' ratios, not judged)")
+    spread = (max(run.engine_ratios) - min(run.engine_ratios)) / (2 * run.ratio) if run.engine_ratios else 0.0
+    rep = CheckReport(tolerance=tolerance, ratio_only=True)
+    rep.findings.append(Finding(name="gate/step", baseline=1.0, current=run.ratio, ratio=run.ratio, noise=spread,
+                                repeats=(len(run.baseline_cpu_s), len(run.current_cpu_s)),
+                                regression=run.ratio - 1 > tolerance, note=note))
     return rep
 
 

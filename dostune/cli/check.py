@@ -1,4 +1,4 @@
-"""`dostune check`: a CI gate on iteration time against a stored baseline."""
+"""`dostune check`: a CI gate on iteration time against a stored baseline (a bench result, or a CPU gate record)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ..bench.check import UnusableInput, compare, junit_xml
+from ..bench.check import CheckReport, UnusableInput, compare, compare_gate, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
 from ..records import atomic_write_text, check_writable
@@ -29,11 +29,32 @@ def change(f) -> str:
     return f"{f.current / f.baseline - 1:+.1%}"
 
 
-def _load(path: Path, what: str):
+def _load(path: Path, what: str, gate: bool = False):
+    from ..bench.gate import load_gate
+
     try:
-        return load_bench(path)
+        return load_gate(path) if gate else load_bench(path)
     except ProfileError as e:
         raise UnusableInput(f"{what}: {e}") from None
+
+
+def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: bool):
+    """The CPU gate: run it now (this tree against the pinned commit) and judge the ratio: (report, what --json
+    adds); with ``update``, pin this tree's commit instead (None)."""
+    from ..bench.gate import LineProgress, pin, run_gate
+
+    if current is not None:
+        raise UnusableInput("--current does not apply to a gate baseline: the gate measures both sides in one run")
+    if update:
+        new = pin("HEAD", settings=base.settings)
+        atomic_write_text(baseline, new.model_dump_json(indent=2) + "\n")
+        err_console.print(f"baseline {baseline} now pins {new.baseline_commit}")
+        return None
+    need_deepspeed("dostune check (the CPU gate)")
+    run = run_gate(base, LineProgress())
+    summary = run.model_dump(include={"ratio", "wall_ratio", "engine_ratios", "lanes", "speculative", "slow_cpu_lane",
+                                      "seconds"})
+    return compare_gate(base, run, tol), {"gate": {"baseline_commit": base.baseline_commit, **summary}}
 
 
 def _fresh_run(base, ratio_only: bool):
@@ -61,14 +82,16 @@ def _fresh_run(base, ratio_only: bool):
 
 @handle_errors
 def check(
-    baseline: Path = typer.Option(..., help="Stored baseline: a `dostune bench` result JSON."),
+    baseline: Path = typer.Option(..., help="Stored baseline: a `dostune bench` result JSON, or a CPU gate baseline "
+                                  "(results/ci-cpu/gate.json)."),
     current: Optional[Path] = typer.Option(None, help="Result to check. Default: run `dostune bench` now with the "
-                                           "baseline's model, batch and methods (or --run)."),
-    run: Optional[str] = typer.Option(None, help="Extra `dostune bench` arguments for the fresh run, quoted."),
+                                           "baseline's model, batch, seed, methods and schedule (a gate baseline: "
+                                           "run the gate)."),
     max_regression: str = typer.Option("5%", help="Allowed slowdown: a percentage (5%) or a fraction (0.05)."),
     ratio_only: bool = flag(False, "--ratio-only", help="Compare only dostune's speedup over ZeRO-Offload (measured within "
                                     "each run), not absolute times: for a baseline from another machine."),
-    update_baseline: bool = flag(False, "--update-baseline", help="Write the current result over the baseline (deliberately)."),
+    update_baseline: bool = flag(False, "--update-baseline", help="Write the current result over the baseline "
+                                 "(deliberately); a gate baseline then pins this tree's commit."),
     junit: Optional[Path] = typer.Option(None, help="Also write a JUnit XML report here."),
     json_out: bool = flag(False, "--json", help="Print the findings as JSON on stdout."),
 ):
@@ -77,9 +100,12 @@ def check(
 
     Per method and phase (forward, backward, step, iteration) the current/baseline ratio of medians, and
     dostune's speedup over ZeRO-Offload. A slowdown counts only when it exceeds both --max-regression and
-    the spread the two runs measured.
+    the spread the two runs measured. With a CPU gate baseline (results/ci-cpu/gate.json, docs/ci-gate.md) the
+    gate times this tree's optimizer step against the pinned commit's, taking turns, and judges the ratio against
+    --max-regression alone.
 
-    Example (GitHub Actions step): dostune check --baseline results/baseline.json --max-regression 5% --junit check.xml
+    Example (GitHub Actions step): dostune check --baseline results/h100/bench-gpt2-1.3b.json --ratio-only
+    --max-regression 15% --junit check.xml
     """
     tol = _fraction(max_regression)
     # every output is checked before a fresh bench runs (minutes)
@@ -87,27 +113,24 @@ def check(
         check_writable(junit, "--junit")
     if update_baseline:
         check_writable(baseline, "--baseline")
-    base = _load(baseline, "baseline")
-    if current is None:
-        if run:
-            raise DostuneError("--run: give the bench arguments to `dostune bench` and pass its output with --current")
+    from ..bench.gate import is_gate_record
+
+    gate = is_gate_record(baseline)
+    base = _load(baseline, "baseline", gate)
+    extra: dict = {}
+    if gate:
+        out = _gate(baseline, base, current, tol, update_baseline)
+        if out is None:
+            return
+        rep, extra = out
+    elif current is None:
         need_deepspeed("dostune check (a fresh bench)")
         cur = _fresh_run(base, ratio_only)
+        rep = compare(base, cur, tol, ratio_only)
     else:
         cur = _load(current, "current")
-    rep = compare(base, cur, tol, ratio_only)
-    table = Table(title=f"dostune check: tolerance {tol:.0%}" + (", speedups only" if ratio_only else ""))
-    for col in ("what", "baseline", "current", "change", "noise", "repeats", "verdict"):
-        table.add_column(col, justify="left" if col in ("what", "verdict") else "right")
-    for f in rep.findings:
-        table.add_row(f.name, f"{f.baseline:.4g}", f"{f.current:.4g}", change(f), f"{f.noise:.1%}",
-                      f"{f.repeats[0]}/{f.repeats[1]}", "[red]REGRESSION[/]" if f.regression else "ok")
-    err_console.print(table)
-    if junit is not None:
-        atomic_write_text(junit, junit_xml(rep))
-    if json_out:
-        print_json({"tolerance": tol, "ratio_only": ratio_only, "regressions": len(rep.regressions),
-                    "findings": [f.__dict__ for f in rep.findings]})
+        rep = compare(base, cur, tol, ratio_only)
+    _report(rep, tol, ratio_only and not gate, junit, json_out, extra)
     if update_baseline:
         if current is not None:
             atomic_write_text(baseline, current.read_text())
@@ -118,6 +141,26 @@ def check(
         err_console.print(f"baseline {baseline} updated")
         return
     if rep.regressions:
-        err_console.print(f"[bold red]{len(rep.regressions)} regression(s)[/] beyond {tol:.0%} and the noise")
+        err_console.print(f"[bold red]{len(rep.regressions)} regression(s)[/] beyond {tol:.0%}"
+                          + ("" if gate else " and the noise"))
         raise typer.Exit(1)
     err_console.print("[green]no regression[/]")
+
+
+def _report(rep: CheckReport, tol: float, ratio_only: bool, junit: Optional[Path], json_out: bool,
+            extra: dict) -> None:
+    table = Table(title=f"dostune check: tolerance {tol:.0%}" + (", speedups only" if ratio_only else ""))
+    for col in ("what", "baseline", "current", "change", "noise", "repeats", "verdict"):
+        table.add_column(col, justify="left" if col in ("what", "verdict") else "right")
+    for f in rep.findings:
+        table.add_row(f.name, f"{f.baseline:.4g}", f"{f.current:.4g}", change(f), f"{f.noise:.1%}",
+                      f"{f.repeats[0]}/{f.repeats[1]}", "[red]REGRESSION[/]" if f.regression else "ok")
+    err_console.print(table)
+    for f in rep.findings:
+        if f.note and f.name.startswith("gate/"):
+            err_console.print(f"{f.name}: {f.note}")
+    if junit is not None:
+        atomic_write_text(junit, junit_xml(rep))
+    if json_out:
+        print_json({"tolerance": tol, "ratio_only": ratio_only, "regressions": len(rep.regressions),
+                    "findings": [f.__dict__ for f in rep.findings], **extra})

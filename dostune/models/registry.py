@@ -34,6 +34,9 @@ PRESETS: dict[str, DecoderConfig] = {
     "gpt2-small-test": DecoderConfig("gpt2", layers=4, hidden=256, heads=4, vocab=4096, max_positions=256),
     # optimizer-heavy, compute-light: the CI bench of the update step on a CPU (43M parameters, tiny layers)
     "ci-step-bench": DecoderConfig("gpt2", layers=2, hidden=1024, heads=8, vocab=32768, max_positions=64),
+    # the CPU regression gate's model (dostune/bench/gate.py): 16M parameters in few tensors, 7 subgroups at
+    # sub_group_size 2M, so a step has work for both lanes and an iteration stays near 0.1 s on a 2-core machine
+    "ci-gate": DecoderConfig("gpt2", layers=2, hidden=768, heads=8, vocab=2048, max_positions=64),
     # GPT-2 family (GPT-3 paper shapes, vocabulary padded to 50304)
     "gpt2-125m": DecoderConfig("gpt2", layers=12, hidden=768, heads=12, vocab=50304, max_positions=1024),
     "gpt2-350m": DecoderConfig("gpt2", layers=24, hidden=1024, heads=16, vocab=50304, max_positions=1024),

@@ -25,6 +25,7 @@ from .pinned import PinRegistry
 from .pressure import MemoryPressure
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig
+from .slowdown import cpu_lane_slowdown, slowed
 
 
 class _InlineUpload:
@@ -120,6 +121,7 @@ class CpuStepLane:
     def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device,
                  pressure: MemoryPressure):
         self._opt, self._host = opt, host
+        self._update = slowed(deepspeed_update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._threads = schedule.cpu_threads
         if not queues.cuda:
             self._upload = _InlineUpload()
@@ -162,7 +164,7 @@ class CpuStepLane:
         host, up = self._host, self._upload
         up.begin(max(host.numel(i) for i in self._order), host.half(self._order[0]).dtype)
         for k, i in enumerate(self._order):
-            deepspeed_update(self._opt, host, i, inv, trace)
+            self._update(self._opt, host, i, inv, trace)
             up.send(k, i, host.live(i).p, host.half(i), trace)
         up.end()
 
@@ -192,6 +194,7 @@ class CpuBackwardLane:
         self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
                                       schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
         self.worker.reserve(list(plan.swing_candidates))
+        self.worker._update = slowed(self.worker._update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
         self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
 

@@ -1,0 +1,386 @@
+"""The CPU regression gate on dostune's optimizer step (docs/ci-gate.md): this tree's schedule timed against the
+same schedule at a pinned commit, both lanes and overlap_backward on, in two processes that take turns.
+
+What runs. Two worker processes, one importing this tree's dostune and one a pinned commit's (exported from git
+into a temporary folder), each build the same engine from the same seed: ZeRO-3 with CPU offload and dostune's
+schedule. Without CUDA the GPU lane runs on the CPU device through the same schedule, staging slots and hand-offs
+(as the parity tests run it). This process tells them in turn to run one iteration, A B B A ..., so only one works
+at a time, and each reports the time of its optimizer step.
+
+Why a pinned commit and not DeepSpeed's own step as the reference. The machine's other jobs compete for memory
+bandwidth, which slows dostune's CPU-lane kernel (more streams, out of place) more than DeepSpeed's in-place
+Adam: dostune's step over DeepSpeed's moved by 20% between runs of one tree. The same code at two commits is
+slowed alike, so on an unchanged tree the ratio is 1 on any machine, and no measured number has to be stored.
+
+Why the step alone, and why clipping is certain. On a CPU, ZeRO-3's backward spends several times as long per
+element as CPU Adam, so a CPU lane overlapped with backward ends inside it and a slower lane costs nothing a clock
+can see. The gate clips at a threshold below any gradient norm: overlap_backward then stops speculating at the
+first subgroup that becomes ready (its partial-norm cutoff, the path training takes whenever clipping is
+certain) and the whole CPU lane runs in the step, beside the GPU lane. The overlap machinery still runs: the lane
+worker, shadow buffers, their commit.
+
+Why CPU time, one thread, and retained heap. On a 2-core machine shared with other jobs a step's wall time
+mostly measures how long the process waited for a core; the CPU time of the process during the step (all its
+threads: the host and the lane worker) does not count waiting. Every thread count is one, so no thread waits for
+a sibling that was preempted. Each step on a CPU device allocates fresh staging memory; the page faults that
+follow cost kernel time that depends on the machine's memory pressure (about 20 ms of a 55 ms step, 3x apart
+between processes, on the CI machine), so the workers ask glibc to keep freed memory for reuse.
+
+The statistic: the low quantile (``quantile``) of this tree's step CPU times over the pinned commit's.
+Interference only adds time, so the low quantiles are the least disturbed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import datetime as _dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, Field
+
+from ..errors import DostuneError, ProfileError
+from ..records import Record
+
+GATE_KIND = "dostune.gate"
+GATE_SCHEMA_VERSION = 1
+# What the workers of the pinned commit and of this tree say to each other; a change moves the pin too.
+PROTOCOL = 1
+# One GPU-lane subgroup of 2.4M elements (the sixth of seven: gpu_fraction 0.17, spread), six on the CPU lane.
+GATE_SCHEDULE = {"gpu_fraction": 0.17, "gpu_placement": "spread", "overlap_backward": True, "cpu_threads": 1,
+                 "backward_cpu_threads": 1}
+
+
+class GateSettings(Record):
+    """What each worker builds and how the two are timed."""
+
+    model: str = "ci-gate"
+    micro_batch: int = Field(1, ge=1)
+    seq: int = Field(16, ge=1)
+    precision: Literal["bf16", "fp16"] = "bf16"
+    sub_group_size: int = Field(2_000_000, ge=1)
+    clip: float = Field(1e-6, gt=0)  # below any gradient norm: the CPU lane runs in the step (module docstring)
+    threads: int = Field(1, ge=1)  # torch's intra-op threads in each worker
+    schedule: dict = Field(default_factory=lambda: dict(GATE_SCHEDULE))
+    # Engines per worker, stepped in turn: two identical engines in one process differ by up to 5% in step time
+    # (where their buffers landed in memory); the gate pools their steps (about 0.55 GiB each)
+    engines: int = Field(4, ge=1, le=8)
+    pairs: int = Field(40, ge=4)  # timed steps per worker
+    warmup: int = Field(8, ge=1)  # untimed steps per worker, spread over its engines
+    seed: int = 0
+    quantile: float = Field(0.2, gt=0, lt=1)
+
+
+class GateBaseline(Record):
+    """The committed gate baseline (results/ci-cpu/gate.json): the commit whose dostune is the reference."""
+
+    schema_version: int = GATE_SCHEMA_VERSION
+    kind: Literal["dostune.gate"] = GATE_KIND
+    baseline_commit: str = Field(pattern=r"^[0-9a-f]{40}$")
+    pinned: str  # when, and why if given
+    settings: GateSettings = Field(default_factory=GateSettings)
+
+
+class GateRun(BaseModel):
+    """One gate run: this tree's step over the pinned commit's."""
+
+    ratio: float  # the statistic (CPU time)
+    wall_ratio: float  # the same on wall-clock time (reported, not judged)
+    engine_ratios: list[float]  # the statistic of each engine pair alone (its spread: what memory placement does)
+    current_cpu_s: list[float]  # each timed step, in the order they ran
+    baseline_cpu_s: list[float]
+    current_wall_s: list[float]
+    baseline_wall_s: list[float]
+    lanes: list[str]  # the plan's lane per subgroup
+    speculative: int  # CPU-lane updates started during backward (0: the whole lane ran in the step)
+    slow_cpu_lane: float  # the test-only slowdown in this tree's worker (DOSTUNE_TEST_SLOW_CPU_LANE)
+    seconds: float
+
+
+def low_quantile(samples: list[float], q: float) -> float:
+    """The q-quantile of the samples, linearly interpolated between order statistics."""
+    xs = sorted(samples)
+    k = q * (len(xs) - 1)
+    i = int(k)
+    return xs[i] if i + 1 >= len(xs) else xs[i] + (k - i) * (xs[i + 1] - xs[i])
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve allocations up to 32 MiB from the heap and never give freed heap back to the kernel, so
+    the staging memory each step allocates is reused instead of mapped and page-faulted anew. False where the C
+    library is not glibc (the gate then runs without it)."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+# ---------------------------------------------------------------------------------------------- the worker side
+def worker(settings_json: str) -> int:
+    """One side of the gate: build the engine, then answer the parent's lines on stdin ("step 0" untimed, "step 1"
+    timed, "end") with one JSON line each on the original stdout; everything else printed goes to stderr."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    keep_freed_memory()
+    import torch
+
+    from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+    from ..models.registry import loss_of, resolve_model
+    from ..optim.schedule import ScheduleConfig
+    from ..optim.slowdown import cpu_lane_slowdown
+    from ..train.engine import build_engine
+
+    s = GateSettings.model_validate_json(settings_json)
+    torch.set_num_threads(s.threads)
+    spec = resolve_model(s.model)
+    train = TrainSettings(micro_batch=s.micro_batch, precision=s.precision, clip=s.clip)
+    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=s.sub_group_size,
+                                                  schedule=ScheduleConfig(**s.schedule)))
+    engines = [build_engine(spec, cfg, seed=s.seed) for _ in range(s.engines)]
+    gens = [torch.Generator().manual_seed(s.seed + 1) for _ in engines]
+    proto.write(json.dumps({"protocol": PROTOCOL, "lanes": list(engines[0].optimizer.dostune_plan.lanes),
+                            "slow_cpu_lane": cpu_lane_slowdown()}) + "\n")
+    k = 0
+    for line in sys.stdin:
+        if line.strip() == "end":
+            spec_updates = sum(e.optimizer.dostune_overlap_stats["speculative"] for e in engines)
+            proto.write(json.dumps({"speculative": spec_updates}) + "\n")
+            break
+        engine, gen = engines[k % len(engines)], gens[k % len(engines)]
+        k += 1
+        engine.backward(loss_of(engine(**spec.batch(s.micro_batch, s.seq, gen, engine.device))))
+        c0, t0 = time.process_time(), time.perf_counter()
+        engine.step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        proto.write(json.dumps({"cpu": c1 - c0, "wall": t1 - t0}) + "\n")
+    for e in engines:
+        e.destroy()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- the parent side
+class GateError(DostuneError):
+    exit_code = 2
+
+
+def _git(repo: Path, *args: str, binary: bool = False):
+    import subprocess
+
+    res = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=not binary)
+    if res.returncode != 0:
+        err = res.stderr if not binary else res.stderr.decode(errors="replace")
+        raise GateError(f"git {' '.join(args[:2])} failed in {repo}: {err.strip().splitlines()[-1] if err else '?'}")
+    return res.stdout
+
+
+def package_root() -> Path:
+    """The folder holding the running dostune package (what this tree's worker imports)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def repository(commit: str) -> Path:
+    """The git repository that has ``commit``: the one holding this dostune, else the current folder's."""
+    import subprocess
+
+    for start in (package_root(), Path.cwd()):
+        res = subprocess.run(["git", "-C", str(start), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+        if res.returncode != 0:
+            continue
+        repo = Path(res.stdout.strip())
+        if subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{commit}^{{commit}}"],
+                          capture_output=True).returncode == 0:
+            return repo
+    raise GateError(f"the CPU gate runs dostune at commit {commit[:12]} beside this tree, and no git repository here "
+                    "has that commit", hint=f"run it from a clone of dostune with its history (git fetch origin "
+                    f"{commit}), or pin another commit (docs/ci-gate.md)")
+
+
+def export_package(repo: Path, commit: str, dest: Path) -> None:
+    """Write the dostune package as it was at ``commit`` under ``dest``."""
+    import io
+    import tarfile
+
+    data = _git(repo, "archive", "--format=tar", commit, "dostune", binary=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        # the "data" filter (refuse links out of dest, device files) where this Python has it
+        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+
+
+def _worker_env(root: Path, slow: bool) -> dict:
+    from ..optim.slowdown import SLOW_CPU_LANE_ENV
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # a world of its own
+    env["PYTHONPATH"] = str(root)
+    if not slow:
+        env.pop(SLOW_CPU_LANE_ENV, None)
+    return env
+
+
+class _Worker:
+    def __init__(self, name: str, root: Path, settings: GateSettings, slow: bool, logdir: Path):
+        import subprocess
+
+        self.name = name
+        self.log = logdir / f"{name}.log"
+        self._err = open(self.log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dostune.bench.gate", "worker",
+                                      settings.model_dump_json()], cwd=root, env=_worker_env(root, slow), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, bufsize=1)
+
+    def read(self, timeout_s: float = 300.0) -> dict:
+        import select
+
+        # one line answers each request and nothing follows it, so the pipe holds no more than select sees
+        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            self.close()
+            raise GateError(f"the gate's {self.name} worker did not answer within {timeout_s:.0f} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self._err.flush()
+            tail = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-1:] or ["(no output)"]
+            raise GateError(f"the gate's {self.name} worker stopped (exit {self.proc.returncode}): {tail[0][:300]}")
+        return json.loads(line)
+
+    def ask(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+def run_gate(base: GateBaseline, progress=None) -> GateRun:
+    """Export the pinned commit's dostune, start both workers, time ``pairs`` steps of each, taking turns."""
+    import tempfile
+
+    from ..optim.slowdown import cpu_lane_slowdown
+    from ..profile.timing import NullProgress
+
+    progress = progress or NullProgress()
+    s = base.settings
+    cpu_lane_slowdown()  # a malformed switch stops here, not in a worker
+    t_start = time.perf_counter()
+    repo = repository(base.baseline_commit)
+    with tempfile.TemporaryDirectory(prefix="dostune-gate-") as tmp:
+        pinned = Path(tmp) / "pinned"
+        export_package(repo, base.baseline_commit, pinned)
+        progress.start(f"gate: building this tree's engine and commit {base.baseline_commit[:12]}'s", 1)
+        workers = {"current": _Worker("current", package_root(), s, True, Path(tmp)),
+                   "baseline": _Worker("baseline", pinned, s, False, Path(tmp))}
+        try:
+            ready = {k: w.read(timeout_s=900.0) for k, w in workers.items()}  # a first CPU Adam build: minutes
+            for k, r in ready.items():
+                if r.get("protocol") != PROTOCOL:
+                    raise GateError(f"the {k} worker speaks gate protocol {r.get('protocol')}, this one {PROTOCOL}",
+                                    hint="pin a commit whose gate matches (docs/ci-gate.md)")
+            progress.advance()
+            progress.start(f"gate: {s.warmup} warm-up and {s.pairs} timed steps of each, taking turns",
+                           s.warmup + s.pairs)
+            times: dict[str, list[dict]] = {"current": [], "baseline": []}
+            for k in range(s.warmup + s.pairs):
+                # A B, then B A: neither always runs right after the other
+                for name in (("current", "baseline") if k % 2 == 0 else ("baseline", "current")):
+                    out = workers[name].ask(f"step {int(k >= s.warmup)}")
+                    if k >= s.warmup:
+                        times[name].append(out)
+                progress.advance()
+            end = {k: w.ask("end") for k, w in workers.items()}
+        finally:
+            for w in workers.values():
+                w.close()
+    cur = {m: [x[m] for x in times["current"]] for m in ("cpu", "wall")}
+    ref = {m: [x[m] for x in times["baseline"]] for m in ("cpu", "wall")}
+    q = s.quantile
+    # timed step j ran on engine (warmup + j) mod engines of its worker
+    by_engine = [[j for j in range(s.pairs) if (s.warmup + j) % s.engines == e] for e in range(s.engines)]
+    engine_ratios = [low_quantile([cur["cpu"][j] for j in js], q) / low_quantile([ref["cpu"][j] for j in js], q)
+                     for js in by_engine if js]
+    return GateRun(ratio=low_quantile(cur["cpu"], q) / low_quantile(ref["cpu"], q),
+                   wall_ratio=low_quantile(cur["wall"], q) / low_quantile(ref["wall"], q),
+                   engine_ratios=engine_ratios,
+                   current_cpu_s=cur["cpu"], baseline_cpu_s=ref["cpu"], current_wall_s=cur["wall"],
+                   baseline_wall_s=ref["wall"], lanes=ready["current"]["lanes"],
+                   speculative=end["current"]["speculative"], slow_cpu_lane=ready["current"]["slow_cpu_lane"],
+                   seconds=time.perf_counter() - t_start)
+
+
+def load_gate(path) -> GateBaseline:
+    from ..records import load_record
+
+    return load_record(path, GateBaseline, "gate baseline", GATE_KIND, GATE_SCHEMA_VERSION)
+
+
+def is_gate_record(path) -> bool:
+    """Whether a JSON record names itself a gate baseline (anything else is read as a bench result)."""
+    from ..records import read_json_record
+
+    try:
+        return read_json_record(path, "baseline").get("kind") == GATE_KIND
+    except ProfileError:
+        return False
+
+
+def pin(commit: str = "HEAD", why: str = "", settings: Optional[GateSettings] = None,
+        repo: Optional[Path] = None) -> GateBaseline:
+    """A baseline that pins ``commit`` of ``repo`` (default: this dostune's); HEAD must have no uncommitted change
+    in dostune/, or the pinned commit would not be what this tree runs."""
+    repo = repo or package_root()
+    sha = _git(repo, "rev-parse", "--verify", f"{commit}^{{commit}}").strip()
+    if commit == "HEAD" and _git(repo, "status", "--porcelain", "--", "dostune").strip():
+        raise GateError("dostune/ has uncommitted changes: the pinned commit would not hold what this tree runs",
+                        hint="commit them first, then pin")
+    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return GateBaseline(baseline_commit=sha, pinned=when + (f": {why}" if why else ""),
+                        settings=settings or GateSettings())
+
+
+class LineProgress:
+    """Progress as one line per phase on stderr (no refresh thread)."""
+
+    def start(self, description: str, total: int) -> None:
+        print(description, file=sys.stderr, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dostune.bench.gate", description="The CPU gate's baseline and "
+                                 "worker (docs/ci-gate.md); `dostune check --baseline <gate baseline>` runs the gate.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pin", help="write a gate baseline that pins a commit")
+    p.add_argument("--commit", default="HEAD")
+    p.add_argument("--why", default="", help="a few words on why the pin moves")
+    p.add_argument("--output", type=Path, required=True)
+    w = sub.add_parser("worker", help="one side of a gate run (started by the gate itself)")
+    w.add_argument("settings")
+    args = ap.parse_args(argv)
+    if args.cmd == "worker":
+        return worker(args.settings)
+    from ..records import atomic_write_text
+
+    try:
+        base = pin(args.commit, args.why)
+    except DostuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    atomic_write_text(args.output, base.model_dump_json(indent=2) + "\n")
+    print(f"{args.output}: the gate now compares against {base.baseline_commit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
