@@ -17,10 +17,10 @@ from .perfmodel.subgroups import subgroup_sizes
 def fit_host_memory(name: str, off: OffloadSettings, numels: list[int], precision: str,
                     available: Optional[int]) -> tuple[OffloadSettings, str]:
     """The method's offload settings as this host's memory allows, and a note for its row ('' when unchanged):
-    ZeRO-Offload without pin_memory where its pinned buffers would not fit (DeepSpeed's own setting that does);
-    DostuneError, before anything is built, where even that cannot fit. ``available``: host bytes for this rank
-    (None: unknown, nothing is changed)."""
-    if available is None or off.ratio != 1.0 or off.super_offload:
+    ZeRO-Offload (and Twin-Flow, on the subgroups it offloads) without pin_memory where its pinned buffers would not
+    fit (DeepSpeed's own setting that does); DostuneError, before anything is built, where even that cannot fit.
+    ``available``: host bytes for this rank (None: unknown, nothing is changed)."""
+    if available is None or off.ratio == 0.0 or off.super_offload:
         return off, ""
     sizes = subgroup_sizes(numels, off.sub_group_size, int(os.environ.get("WORLD_SIZE", "1")))
     gb = grad_buffer_bytes(precision)
@@ -31,10 +31,10 @@ def fit_host_memory(name: str, off: OffloadSettings, numels: list[int], precisio
             raise DostuneError(f"not run: its optimizer state needs about {need / gib:.1f} GiB of host memory, "
                                f"{available / gib:.1f} GiB are available")
         return off, ""
-    pinned = deepspeed_offload_host_bytes(sizes, True, gb) + HOST_BASE_BYTES
+    pinned = deepspeed_offload_host_bytes(sizes, True, gb, off.ratio) + HOST_BASE_BYTES
     if not off.pin_memory or pinned <= available:
         return off, ""
-    pageable = deepspeed_offload_host_bytes(sizes, False, gb) + HOST_BASE_BYTES
+    pageable = deepspeed_offload_host_bytes(sizes, False, gb, off.ratio) + HOST_BASE_BYTES
     if pageable > available:
         raise DostuneError(f"not run: its optimizer state needs about {pageable / gib:.1f} GiB of host memory "
                            f"({pinned / gib:.1f} pinned), {available / gib:.1f} GiB are available")

@@ -32,3 +32,15 @@ def test_a_host_with_room_keeps_every_method_as_it_is():
     for off in (OffloadSettings(), OffloadSettings(ratio=0.5), OffloadSettings(ratio=0.0)):
         assert fit_host_memory("m", off, numels, "bf16", 124 * GiB) == (off, "")
     assert fit_host_memory("zero-offload", OffloadSettings(), numels, "bf16", None) == (OffloadSettings(), "")
+
+
+def test_twin_flow_is_fitted_on_the_subgroups_it_offloads():
+    # measured on the H100 host (125 GiB): Twin-Flow at dostune's memory (ratio 0.978) with pin_memory was killed by
+    # the OOM killer in its iterations (results/h100/llama-7b/bench-twin.md); it keeps one of 50 subgroups on the GPU
+    numels = param_numels(resolve_model("llama-7b"))
+    twin, note = fit_host_memory("twin-flow-mem", OffloadSettings(sub_group_size=100_000_000, ratio=0.978), numels,
+                                 "bf16", 124 * GiB)
+    assert not twin.pin_memory and twin.ratio == 0.978 and note.startswith("pin_memory false: pinned it needs about 13")
+    # half on the GPU: half the state on the host, pinned
+    half = OffloadSettings(sub_group_size=100_000_000, ratio=0.5)
+    assert fit_host_memory("twin-flow-0.5", half, numels, "bf16", 124 * GiB) == (half, "")

@@ -98,18 +98,22 @@ def _pinned_rounded(nbytes: int) -> int:
     return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
-def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_buffer: int = HALF_BYTES) -> int:
+def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_buffer: int = HALF_BYTES,
+                                 ratio: float = 1.0) -> int:
     """Host memory of DeepSpeed 0.19.8's own ZeRO-Offload on one rank once its first step has created the Adam
     states: fp32 params (pageable), fp32 gradients per subgroup and the gradient-partition buffer (with pin_memory,
     each copied into a pinned allocation rounded up to a power of two), exp_avg and exp_avg_sq (pageable). Add
     HOST_BASE_BYTES for the process. Measured on the H100 host with llama-7b at 1e8-element subgroups: 83.3 GiB
     RSS with pin_memory after the engine was built (this gives 82 GiB before the states, 132 with them: it was
-    killed at the first step), 115.0 GiB without (this: 113 + 2)."""
-    total = sum(sizes)
+    killed at the first step), 115.0 GiB without (this: 113 + 2). ``ratio`` < 1 is Twin-Flow: DeepSpeed keeps the
+    first int((1 - ratio) * n) subgroups on the GPU and offloads the rest; the gradient-partition buffer still spans
+    every parameter."""
+    offloaded = sizes[int((1 - ratio) * len(sizes)):]
+    total, off = sum(sizes), sum(offloaded)
     if not pin_memory:
-        return (STATE_BYTES + GRAD_BYTES + grad_buffer) * total
-    return 4 * total + sum(_pinned_rounded(GRAD_BYTES * n) for n in sizes) + _pinned_rounded(grad_buffer * total) \
-        + 8 * total
+        return (STATE_BYTES + GRAD_BYTES) * off + grad_buffer * total
+    return 4 * off + sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded) + _pinned_rounded(grad_buffer * total) \
+        + 8 * off
 
 
 # ---------------------------------------------------------------- start-up checks
