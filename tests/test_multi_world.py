@@ -271,7 +271,7 @@ def test_a_node_with_two_gpus_is_measured_together():
     opts = NodeProfileOptions.tiny()
     opts.ranks_per_node = 2
     p = measure_node(opts)
-    assert p.schema_version == 2 and p.host.gpus == torch.cuda.device_count()
+    assert p.schema_version == NODE_SCHEMA_VERSION and p.host.gpus == torch.cuda.device_count()
     mg = p.multi_gpu
     assert mg.gpus == [0, 1] and len(mg.common_ancestor) == 2 and mg.common_ancestor[0][0] == "self"
     assert all(s.fit.rate_per_s > 0 for s in (mg.copies.h2d, mg.copies.d2h, mg.copies.duplex_h2d))

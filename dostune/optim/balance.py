@@ -1,6 +1,6 @@
 """Moving the lane boundary between steps (``adaptive_swing``): pure decision logic, no torch.
 
-Why: which lane ends the step depends on how fast the host runs that minute. On the lent H100 VMs the same
+Why: which lane ends the step depends on how fast the host runs that minute. On H100 VMs (16 vCPUs) the same
 schedule had the CPU lane finish all its subgroups during backward and the step wait for the GPU lane's copies
 alone (a fast host), and minutes later the CPU lane still working when the GPU lane was done (a slow one):
 results/h100/rounds-gpt2-1.3b, timelines of rounds-clip0-f and -c. A tuned static split is right for one of

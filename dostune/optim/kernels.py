@@ -10,7 +10,7 @@ C++ ``Adam_Optimizer`` computes them in float (``IncrementStep`` / ``update_stat
 DeepSpeed's SIMD loop (AVX512/AVX2) covers all but the last ``numel % SIMD_WIDTH`` elements of each
 call; those go through a scalar loop that the compiler contracts differently (``m = fma(m, beta1,
 g * (1 - beta1))`` instead of ``fma(g, 1 - beta1, m * beta1)``, likewise for the variance). The kernel
-reproduces both, switching at the same index. Measured on the lent H100 node: zero mismatching elements.
+reproduces both, switching at the same index. Measured on an H100 VM (16 vCPUs): zero mismatching elements.
 
 On a CUDA device the kernel is written in Triton (FMA contraction off, explicit ``fma``, ``div_rn``,
 ``sqrt_rn``); it also applies the unscale/clip factor first, exactly as DeepSpeed's separate
