@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, Callable, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -49,29 +49,58 @@ def format_validation_error(path: str, err: ValidationError, what: str = "dostun
     return f"{path} is not a valid {what}: " + "; ".join(problems)
 
 
+# What writes each kind of file, for the hint when one cannot be read (keyed by the reader's ``what`` and by kind).
+_MADE_BY = {"profile": "`dostune profile`", "dostune.node-profile": "`dostune profile`",
+            "model profile": "`dostune profile --model`", "dostune.model-profile": "`dostune profile --model`",
+            "bench result": "`dostune bench`", "dostune.bench": "`dostune bench`",
+            "DeepSpeed config": "`dostune tune`", "tuning result": "`dostune tune`",
+            "dostune.tune-result": "`dostune tune`"}
+
+
+def _made_by(what: str, before: str, after: str = "") -> str:
+    """The command that writes ``what`` between ``before`` and ``after``; nothing when no command does."""
+    maker = _MADE_BY.get(what)
+    return f"{before}{maker}{after}" if maker else ""
+
+
+def _inside(folder: Path) -> str:
+    """The hint for a folder named where a JSON file belongs: the file in it to name, if there is one."""
+    try:
+        found = sorted(folder.glob("*.json"), key=lambda f: (f.name != "ds_config.json", f.name))
+    except OSError:
+        found = []
+    return f"name the file inside it, e.g. {found[0]}" if found else "name the JSON file itself, not a folder"
+
+
 def read_json_record(path: str | os.PathLike, what: str) -> dict:
-    """Read a JSON object from ``path`` or raise ProfileError that names the file and the problem."""
+    """Read a JSON object from ``path`` or raise ProfileError that names the file and the problem, with a hint."""
     p = Path(path)
     if not p.exists():
-        raise ProfileError(f"{what} {p} does not exist")
+        raise ProfileError(f"{what} {p} does not exist", hint="check the path" + _made_by(what, ", or make one with "))
     if p.is_dir():
-        raise ProfileError(f"{what} {p} is a directory, not a JSON file")
+        raise ProfileError(f"{what} {p} is a directory, not a JSON file", hint=_inside(p))
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise ProfileError(f"cannot read {what} {p}: {e.strerror or e}") from None
+        raise ProfileError(f"cannot read {what} {p}: {e.strerror or e}",
+                           hint="check the file's permissions, or copy it somewhere readable") from None
     if not raw.strip():
-        raise ProfileError(f"{what} {p} is empty")
+        raise ProfileError(f"{what} {p} is empty", hint="a write or copy was cut short, or this is the wrong file: "
+                           "make it again" + _made_by(what, " with ") + " or name another")
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ProfileError(f"{what} {p} is not a JSON text file (it holds binary data)") from None
+        raise ProfileError(f"{what} {p} is not a JSON text file (it holds binary data)",
+                           hint=f"check the path: a {what} is JSON text" + _made_by(what, ", as ", " writes it")) from None
     except json.JSONDecodeError as e:
-        raise ProfileError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise ProfileError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})",
+                           hint="fix the file there" + _made_by(what, ", or make it again with ")) from None
     except RecursionError:
-        raise ProfileError(f"{p} is nested too deeply to be a {what}") from None
+        raise ProfileError(f"{p} is nested too deeply to be a {what}",
+                           hint=f"check the path: a {what} is a flat JSON object") from None
     if not isinstance(data, dict):
-        raise ProfileError(f"{p} must hold a JSON object, found {type(data).__name__}")
+        raise ProfileError(f"{p} must hold a JSON object, found {type(data).__name__}",
+                           hint=f"check the path: a {what} is one JSON object {{...}}")
     return data
 
 
@@ -80,10 +109,12 @@ def check_version(data: dict, path, kind: str, version: int, readable: tuple[int
     writes, or one of the older ``readable`` ones)."""
     found_kind = data.get("kind")
     if found_kind is not None and found_kind != kind:
-        raise ProfileError(f"{path} holds a '{found_kind}', expected a '{kind}'")
+        raise ProfileError(f"{path} holds a '{found_kind}', expected a '{kind}'",
+                           hint=f"name a '{kind}' file" + _made_by(kind, " (", " writes one)"))
     v = data.get("schema_version")
     if v is None:
-        raise ProfileError(f"{path}: field 'schema_version' is missing; is this a dostune {kind} file?")
+        raise ProfileError(f"{path}: field 'schema_version' is missing; is this a dostune {kind} file?",
+                           hint="check the path" + _made_by(kind, ", or make the file again with "))
     if v != version and v not in readable:
         older = isinstance(v, int) and v < version
         newer = isinstance(v, int) and v > version
@@ -91,7 +122,8 @@ def check_version(data: dict, path, kind: str, version: int, readable: tuple[int
                            + (" (the file is from an older dostune)" if older else
                               " (the file is from a newer dostune)" if newer else ""),
                            hint="make the file again with this dostune" if older else
-                           "upgrade dostune to read it" if newer else None)
+                           "upgrade dostune to read it" if newer else
+                           "make the file again with this dostune" + _made_by(kind, " (", ")"))
 
 
 def load_record(path: str | os.PathLike, cls: type[R], what: str, kind: str, version: int,
@@ -106,7 +138,8 @@ def load_record(path: str | os.PathLike, cls: type[R], what: str, kind: str, ver
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ProfileError(format_validation_error(str(path), e, f"dostune {what}")) from None
+        raise ProfileError(format_validation_error(str(path), e, f"dostune {what}"),
+                           hint="fix the field(s) named" + _made_by(kind, ", or make the file again with ")) from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -145,9 +178,8 @@ def check_writable(path: str | os.PathLike, what: str, *, directory: bool = Fals
     return p
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write via a temporary file next to ``path`` and rename, so an interrupted write never leaves half a
-    file. The file gets the usual mode (0644 under the common umask)."""
+def _write_atomically(path: str | os.PathLike, write: Callable[[IO], None], mode: str) -> Path:
+    """Create ``path`` through ``write(file)`` on a temporary file next to it (opened with ``mode``), then rename."""
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +187,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     except OSError as e:
         raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            write(f)
         os.chmod(tmp, _file_mode())
         os.replace(tmp, p)
     except BaseException as e:
@@ -165,6 +197,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
             raise DostuneError(f"cannot write {p}: {e.strerror or e}") from None
         raise
     return p
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write via a temporary file next to ``path`` and rename, so an interrupted write never leaves half a
+    file. The file gets the usual mode (0644 under the common umask)."""
+    return _write_atomically(path, lambda f: f.write(text), "w")
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Lay out a matplotlib figure, write it to ``path`` the way ``atomic_write_text`` writes (the format from the
+    file's suffix, PNG without one) and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.tight_layout()
+        fmt = Path(path).suffix.lstrip(".").lower() or "png"
+        return _write_atomically(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi), "wb")
+    finally:
+        plt.close(fig)
 
 
 def save_record(record: BaseModel, path: str | os.PathLike) -> Path:

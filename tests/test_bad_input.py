@@ -1,5 +1,5 @@
 """Every command over a table of bad inputs: each is refused before any work with exit 2, one line naming the
-problem (and at most one hint line), no traceback, and no output file left behind."""
+problem and one line with a hint, no traceback, and no output file left behind."""
 import json
 import os
 import tempfile
@@ -118,9 +118,14 @@ CASES = [
     ("tune --trials 0 --output-dir {out}", "--trials"),
     ("tune --trials 2 --output-dir {out} --for nonsense", "unknown config target"),
     ("tune --trials 2 --output-dir {out} --profile {node} --model gpt2-tiny", "no model profile for gpt2-tiny"),
+    ("tune --trials 2 --output-dir {out} --hostfile {bin}", "not a text file (it holds binary data)"),
+    ("tune --trials 2 --output-dir {out} --hostfile {dir}", "is not a file"),
+    ("tune --trials 2 --output-dir {out} --hostfile {missing}", "does not exist"),
     # train
     ("train --config {missing} --model gpt2-tiny --metrics {out}", "does not exist"),
     ("train --config {bin} --model gpt2-tiny --metrics {out}", "binary"),
+    ("train --config {dir} --model gpt2-tiny --metrics {out}", "is a directory"),
+    ("train --config {empty} --model gpt2-tiny --metrics {out}", "is empty"),
     ("train --config {node} --model gpt2-tiny --metrics {out}", "stage 3"),
     ("train --config {cfg_stage2} --model gpt2-tiny --metrics {out}", "stage 3"),
     ("train --config {cfg_hf} --model gpt2-tiny --metrics {out}", "as \"auto\" for the Hugging Face Trainer"),
@@ -168,6 +173,9 @@ CASES = [
     ("check --baseline {bench} --current {bench} --junit {dir}", "is a folder, not a file"),
     ("check --baseline {bench} --current {bench} --max-regression lots --junit {out}", "--max-regression"),
     ("check --baseline {bench} --current {bench} --max-regression 5 --junit {out}", "ambiguous"),
+    # usage errors
+    ("check --baseline", "requires an argument"),
+    ("check --baseline {bench} --bogus", "No such option"),
 ]
 
 
@@ -184,6 +192,23 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(paths, line, says):
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
     assert lines and lines[0].startswith("error: ") and says in lines[0], r.output
-    assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("hint: ")), r.output
+    assert len(lines) == 2 and lines[1].startswith("hint: ") and len(lines[1]) > len("hint: "), r.output
     assert not Path(paths["out"]).exists()
     assert set(Path(paths["tmp"]).rglob("*")) == before, "a refused command left files behind"
+
+
+@pytest.mark.parametrize("line", ["check --baseline", "check --junit", "tune --trials", "check --bogus"])
+def test_usage_error_hint_names_the_command(line):
+    r = CliRunner().invoke(app, line.split())
+    assert r.exit_code == 2 and f"`dostune {line.split()[0]} --help`" in r.output.splitlines()[-1], r.output
+
+
+def test_unreadable_input_hint_is_specific(paths):
+    """Binary, empty and folder inputs say what to name instead (not only where --help is)."""
+    for line in ("check --baseline {bin} --current {bench}", "tune --trials 2 --output-dir {out} --profile {empty}",
+                 "train --config {dir} --model gpt2-tiny", "tune --trials 2 --output-dir {out} --hostfile {bin}",
+                 "tune --trials 2 --output-dir {out} --precision fp8"):
+        r = CliRunner().invoke(app, [a.format(**paths) for a in line.split()])
+        hint = r.output.splitlines()[-1]
+        assert r.exit_code == 2 and hint.startswith("hint: ") and "--help" not in hint, (line, r.output)
+        assert "codec" not in r.output

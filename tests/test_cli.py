@@ -66,6 +66,48 @@ def test_flags_show_no_value_placeholder(cmd):
     assert "<bool>" not in r.stdout
 
 
+@pytest.mark.parametrize("cmd", [[], ["profile"], ["tune"], ["refit"], ["train"], ["bench"], ["check"]])
+def test_help_is_not_cut_without_a_terminal(cmd, monkeypatch):
+    """Help piped to a file or a log (stdout not a terminal, no COLUMNS) is not cut at 80 columns with '…'."""
+    from typer import rich_utils
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(rich_utils, "MAX_WIDTH", None)  # TERMINAL_WIDTH, read when typer is imported
+    r = runner.invoke(app, cmd + ["--help"])
+    assert r.exit_code == 0 and "Usage" in r.stdout
+    assert "…" not in r.stdout, r.stdout
+    assert rich_utils.MAX_WIDTH is None  # put back for whatever prints next
+
+
+def test_help_width_keeps_a_terminals(monkeypatch):
+    from dostune.cli.common import HELP_WIDTH, help_width
+
+    class Stream:
+        def __init__(self, tty):
+            self.isatty = lambda: tty
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert help_width(Stream(True)) is None and help_width(Stream(False)) == HELP_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert help_width(Stream(False)) is None
+
+
+def test_quiet_stdout_drops_deepspeeds_build_note(capsys):
+    """DeepSpeed's "... built successfully" on every CPU run is dropped; anything else printed goes to stderr."""
+    import sys
+
+    from dostune.cli.common import quiet_stdout
+
+    with quiet_stdout():
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("Error building extension 'deepspeed_shm_comm'")
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_ccl_comm_op built successfully", flush=True)
+        sys.stdout.write("no newline")
+    out, err = capsys.readouterr()
+    assert out == "" and "built successfully" not in err
+    assert err == "Error building extension 'deepspeed_shm_comm'\nno newline"
+
+
 def test_one_rule_for_percentages():
     from dostune.cli.common import parse_fraction
     from dostune.errors import DostuneError

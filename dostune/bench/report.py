@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from ..records import save_figure
 from .record import BenchResult, RankFigures, Span
 
 COLUMNS = ["method", "iter s", "fwd s", "bwd s", "step s", "speedup", "update G elem/s", "peak GPU GiB",
@@ -125,9 +126,4 @@ def plot_timeline(spans: list[Span], path: str | Path, title: str) -> Optional[P
         ax.axvline(0, color="black", linewidth=0.8, linestyle="--")  # left of it: during backward
     ax.set_xlabel("ms from the start of the optimizer step")
     ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -23,16 +23,39 @@ from . import profile as _profile
 from . import refit as _refit
 from . import train as _train
 from . import tune as _tune
-from .common import err_console, print_error
+from .common import err_console, help_width, print_error
 
 class _FlagHelp:
-    """--help is a flag: typer 0.29 shows it with a '<bool>' value placeholder; show it without, like our flags."""
+    """--help is a flag: typer 0.29 shows it with a '<bool>' value placeholder; show it without, like our flags.
+    Help printed to a pipe or a log is as wide as the text needs (rich would cut it at 80 columns with '…')."""
 
     def get_help_option(self, ctx):
         opt = super().get_help_option(ctx)
         if opt is not None:
             opt.metavar = ""
         return opt
+
+    def format_help(self, ctx, formatter):
+        from typer import rich_utils
+
+        width = help_width(sys.stdout)
+        if width is None or rich_utils.MAX_WIDTH is not None:  # a terminal, COLUMNS or TERMINAL_WIDTH: theirs
+            return super().format_help(ctx, formatter)
+        rich_utils.MAX_WIDTH = width
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            rich_utils.MAX_WIDTH = None
+
+    def parse_args(self, ctx, args):
+        """Some usage errors (an option given without its value) come from the parser without the command they
+        belong to: name it, so the hint points at that command's --help."""
+        try:
+            return super().parse_args(ctx, args)
+        except click.exceptions.UsageError as e:
+            if e.ctx is None:
+                e.ctx, e.cmd = ctx, ctx.command
+            raise
 
 
 class _Command(_FlagHelp, TyperCommand):

@@ -20,7 +20,8 @@ from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
 from ..records import atomic_write_text, check_writable, read_json_record, save_record
 from ..tune.refit import TunedConfig
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
+from .common import (RichProgress, check_precision, err_console, flag, handle_errors, need_deepspeed, print_json,
+                     quiet_stdout)
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -35,7 +36,8 @@ def render_bench(res: BenchResult) -> Table:
 def _read_config(config: Path) -> tuple[ScheduleConfig, Optional[int], Optional[World]]:
     tuned = TunedConfig.read(read_json_record(config, "DeepSpeed config"), str(config))
     if tuned.schedule is None:
-        raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one")
+        raise ConfigError(f"{config} has no 'dostune' section; run `dostune tune` to emit one",
+                          hint="name the ds_config.json that `dostune tune` wrote, or give the schedule as --schedule")
     return tuned.schedule, tuned.sub_group_size if tuned.sub_group_size_given else None, tuned.world
 
 
@@ -64,14 +66,16 @@ def _variants(configs: list[Path], sub_group_size: Optional[int]) -> list[Varian
 def _schedule_from(config: Optional[Path], schedule_json: Optional[str]) \
         -> tuple[Optional[ScheduleConfig], Optional[int], Optional[World]]:
     if config is not None and schedule_json is not None:
-        raise DostuneError("give either --config or --schedule, not both")
+        raise DostuneError("give either --config or --schedule, not both",
+                           hint="--config reads the schedule from a tuned config; --schedule gives it inline")
     if config is not None:
         return _read_config(config)
     if schedule_json is not None:
         try:
             section = json.loads(schedule_json)
         except json.JSONDecodeError as e:
-            raise DostuneError(f"--schedule is not valid JSON: {e.msg}") from None
+            raise DostuneError(f"--schedule is not valid JSON: {e.msg}",
+                               hint="quote it for the shell, e.g. --schedule '{\"gpu_fraction\": 0.3}'") from None
         return ScheduleConfig.from_ds_config({"dostune": section}), None, None
     return None, None, None
 
@@ -126,6 +130,7 @@ def bench(
     Two schedules against no offload, drift cancelled (A B C, C B A):
     dostune bench --methods no-offload,dostune --rounds 2 --config a/ds_config.json --config b/ds_config.json
     """
+    check_precision(precision, hint="leave --precision out for bf16, the default")
     configs = list(config or [])
     sched, sgs, tuned_world = _schedule_from(configs[0] if configs else None, schedule)
     variants = _variants(configs, dostune_sub_group_size) if len(configs) > 1 else []

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ..bench.check import CheckReport, UnusableInput, compare, compare_gate, junit_xml
+from ..bench.check import IDENTITY, CheckReport, UnusableInput, compare, compare_gate, identity_mismatch, junit_xml
 from ..bench.record import load_bench
 from ..errors import DostuneError, ProfileError
 from ..records import atomic_write_text, check_writable
@@ -35,7 +35,22 @@ def _load(path: Path, what: str, gate: bool = False):
     try:
         return load_gate(path) if gate else load_bench(path)
     except ProfileError as e:
-        raise UnusableInput(f"{what}: {e}") from None
+        raise UnusableInput(f"{what}: {e}", hint=e.hint) from None
+
+
+def _compare(base, cur, tol: float, ratio_only: bool, given: bool) -> CheckReport:
+    """compare(), with a hint for results that are not comparable (``given``: --current named the result)."""
+    try:
+        return compare(base, cur, tol, ratio_only)
+    except UnusableInput as e:
+        if e.hint is not None or identity_mismatch(base, cur, ratio_only) is None:
+            raise
+        if all(getattr(base, f) == getattr(cur, f) for f in IDENTITY) and base.node != cur.node:
+            hint = "for results of two machines, --ratio-only compares dostune's speedup over ZeRO-Offload"
+        else:
+            hint = "bench the current result with the baseline's model, batch, seq, precision and world" \
+                   + (", or leave out --current: check then benches exactly that" if given else "")
+        raise UnusableInput(str(e), hint=hint) from None
 
 
 def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: bool):
@@ -44,7 +59,8 @@ def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: boo
     from ..bench.gate import LineProgress, pin, run_gate
 
     if current is not None:
-        raise UnusableInput("--current does not apply to a gate baseline: the gate measures both sides in one run")
+        raise UnusableInput("--current does not apply to a gate baseline: the gate measures both sides in one run",
+                            hint="leave out --current")
     if update:
         new = pin("HEAD", settings=base.settings)
         atomic_write_text(baseline, new.model_dump_json(indent=2) + "\n")
@@ -61,19 +77,23 @@ def _fresh_run(base, ratio_only: bool):
     """Bench again exactly what the baseline measured: model, batch, seed, sub_group_size and dostune schedule
     (only ZeRO-Offload and dostune when comparing speedups)."""
     from ..bench.run import BenchOptions, run_bench
-    from ..optim.schedule import ScheduleConfig
+    from ..tune.refit import TunedConfig
 
     methods = [m for m, r in base.methods.items() if r.ran]
     if ratio_only:
         methods = [m for m in methods if m in ("zero-offload", "dostune")]
-    d, z = base.methods.get("dostune"), base.methods.get("zero-offload")
-    sched = ScheduleConfig.from_ds_config(d.ds_config) if d is not None and d.ds_config else None
-    if sched is not None:
-        sched = sched.model_copy(update={"trace": False})
-    sgs = lambda m: m.ds_config.get("zero_optimization", {}).get("sub_group_size") if m and m.ds_config else None  # noqa: E731
+
+    def tuned(name: str) -> TunedConfig:  # the DeepSpeed config the baseline ran the method with ({}: none)
+        m = base.methods.get(name)
+        return TunedConfig.read(m.ds_config if m is not None else {}, f"the baseline's {name} config")
+
+    d, z = tuned("dostune"), tuned("zero-offload")
+    sched = d.schedule.model_copy(update={"trace": False}) if d.schedule is not None else None
+    sgs = lambda t: t.sub_group_size if t.sub_group_size_given else None  # noqa: E731
     opts = BenchOptions(model=base.model, micro_batch=base.micro_batch, seq=base.seq, precision=base.precision,
                         iters=base.iters, warmup=base.warmup, seed=base.seed, methods=methods, schedule=sched,
-                        sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), node=base.node)
+                        sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), dostune_world=d.world,
+                        node=base.node)
     from .common import RichProgress
 
     with RichProgress() as progress, quiet_stdout():
@@ -126,10 +146,10 @@ def check(
     elif current is None:
         need_deepspeed("dostune check (a fresh bench)")
         cur = _fresh_run(base, ratio_only)
-        rep = compare(base, cur, tol, ratio_only)
+        rep = _compare(base, cur, tol, ratio_only, given=False)
     else:
         cur = _load(current, "current")
-        rep = compare(base, cur, tol, ratio_only)
+        rep = _compare(base, cur, tol, ratio_only, given=True)
     _report(rep, tol, ratio_only and not gate, junit, json_out, extra)
     if update_baseline:
         if current is not None:

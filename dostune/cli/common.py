@@ -5,6 +5,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -17,6 +18,9 @@ from ..errors import DostuneError
 # Width when stderr is not a terminal (a log, CI, a pipe): rich's default of 80 columns would cut the tuning
 # tables to "5e…"; a log has no width, so give the tables room (COLUMNS still wins when set).
 LOG_WIDTH = 200
+# Width of --help when stdout is not a terminal (`dostune tune --help | less`, a log): at 80 columns rich cuts
+# option names and defaults to "--activation-checkpoi…"; the help text's own lines are up to ~110 columns.
+HELP_WIDTH = 120
 
 
 def _console(stderr: bool) -> Console:
@@ -24,6 +28,12 @@ def _console(stderr: bool) -> Console:
     tty = hasattr(stream, "isatty") and stream.isatty()
     width = None if tty or os.environ.get("COLUMNS") else LOG_WIDTH
     return Console(stderr=stderr, width=width)
+
+
+def help_width(stream) -> int | None:
+    """The width of --help on ``stream``: None (rich's choice) on a terminal or with COLUMNS set, else HELP_WIDTH."""
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return None if tty or os.environ.get("COLUMNS") else HELP_WIDTH
 
 
 # People read stderr (tables, progress); machines read stdout when --json is given.
@@ -50,8 +60,9 @@ def _one_line(text: str) -> str:
 
 
 def handle_errors(fn: Callable) -> Callable:
-    """Turn DostuneError (and a file-system error nobody foresaw) into a one-line message and an exit code;
-    Ctrl-C into exit 130. DOSTUNE_DEBUG=1 shows the traceback instead."""
+    """Turn DostuneError (and a file-system error nobody foresaw) into a one-line message, a hint (the
+    command's --help where the error brings none) and an exit code; Ctrl-C into exit 130. DOSTUNE_DEBUG=1 shows
+    the traceback instead."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -60,7 +71,7 @@ def handle_errors(fn: Callable) -> Callable:
         except DostuneError as e:
             if os.environ.get("DOSTUNE_DEBUG"):
                 raise
-            fail(str(e), e.exit_code, e.hint)
+            fail(str(e), e.exit_code, e.hint or f"`dostune {fn.__name__} --help` describes every option")
         except OSError as e:
             if os.environ.get("DOSTUNE_DEBUG"):
                 raise
@@ -80,13 +91,24 @@ def parse_fraction(text: str | float, option: str) -> float:
     try:
         value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise DostuneError(f"{option}: expected a percentage like 10% or a fraction like 0.1, got {text!r}") from None
+        raise DostuneError(f"{option}: expected a percentage like 10% or a fraction like 0.1, got {text!r}",
+                           hint=f"e.g. {option} 10%") from None
     if value != value or value < 0:
-        raise DostuneError(f"{option} must be a non-negative share, got {text!r}")
+        raise DostuneError(f"{option} must be a non-negative share, got {text!r}",
+                           hint=f"a share is 0 or more, e.g. {option} 10%")
     if not t.endswith("%") and value > 1:
         raise DostuneError(f"{option} {t} is ambiguous: a bare number is a fraction (0.1 = 10%)",
                            hint=f"write {t}% for {t} percent, or {value / 100:g} for the same as a fraction")
     return value
+
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def check_precision(value: str | None, hint: str) -> None:
+    """--precision names one of PRECISIONS (None: the command's default)."""
+    if value is not None and value not in PRECISIONS:
+        raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {value!r}", hint=hint)
 
 
 def flag(default: bool, *names: str, help: str) -> Any:
@@ -119,6 +141,8 @@ class RichProgress:
         if not self._live:
             return False
         self._finish_current()
+        if isinstance(sys.stdout, _StderrWithoutBuildNotes):
+            sys.stdout.flush()
         return self._progress.__exit__(*exc)
 
     def _finish_current(self):
@@ -130,6 +154,7 @@ class RichProgress:
         if not self._live:
             self._progress.__enter__()
             self._live = True
+            _quiet_live_stdout()
         self._finish_current()
         self._task = self._progress.add_task(description, total=max(total, 1))
 
@@ -147,7 +172,55 @@ def need_deepspeed(purpose: str) -> None:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
+# DeepSpeed's note on every CPU run ("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+# printed by deepspeed.comm when it loads its shared-memory or oneCCL op): news only when it is not the case.
+_BUILD_NOTE = re.compile(r"DeepSpeed \S+ built successfully")
+
+
+class _StderrWithoutBuildNotes:
+    """stdout redirected to stderr, less DeepSpeed's "... built successfully" lines. Writes are passed on by the
+    line (a line is held until its newline, or a flush); everything else a file has is stderr's."""
+
+    def __init__(self, target):
+        self._target = target
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._pending + text).split("\n")
+        self._pending = lines.pop()
+        kept = [line for line in lines if not _BUILD_NOTE.fullmatch(line.strip())]
+        if kept:
+            self._target.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        """Pass on the line begun so far (a prompt, a progress dot), unless it is the note before its newline."""
+        if self._pending and not _BUILD_NOTE.fullmatch(self._pending.strip()):
+            self._target.write(self._pending)
+            self._pending = ""
+        self._target.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+def _quiet_live_stdout() -> None:
+    """A live display started inside quiet_stdout on a terminal puts its own stdout in front (rich's FileProxy,
+    which prints through the display's console): drop DeepSpeed's note there too. The display puts back what it
+    found when it stops."""
+    from rich.file_proxy import FileProxy
+
+    if isinstance(sys.stdout, FileProxy) and isinstance(sys.stdout.rich_proxied_file, _StderrWithoutBuildNotes):
+        sys.stdout = _StderrWithoutBuildNotes(sys.stdout)
+
+
+@contextlib.contextmanager
 def quiet_stdout():
-    """Inside: what third-party code prints to stdout (DeepSpeed's "... op built successfully") goes to stderr,
-    so that stdout carries only the --json output a script reads."""
-    return contextlib.redirect_stdout(sys.stderr)
+    """Inside: what third-party code prints to stdout goes to stderr, so that stdout carries only the --json
+    output a script reads; DeepSpeed's "... op built successfully" is dropped (a failed build still raises)."""
+    stream = _StderrWithoutBuildNotes(sys.stderr)
+    try:
+        with contextlib.redirect_stdout(stream):
+            yield
+    finally:
+        stream.flush()  # a last line without its newline, unless it is the note

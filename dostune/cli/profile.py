@@ -24,9 +24,10 @@ def _parse_sizes(text: Optional[str], unit: int, what: str) -> Optional[list[int
     try:
         sizes = [int(float(x) * unit) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise DostuneError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+        raise DostuneError(f"{what}: expected comma-separated numbers, got {text!r}",
+                           hint=f"e.g. {what} 4,16,64 (no spaces, or quote the list)") from None
     if not sizes or any(s <= 0 for s in sizes):
-        raise DostuneError(f"{what}: sizes must be positive, got {text!r}")
+        raise DostuneError(f"{what}: sizes must be positive, got {text!r}", hint=f"e.g. {what} 4,16,64")
     return sizes
 
 
@@ -156,10 +157,12 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
                                activation_checkpointing=activation_checkpointing)
     opts.validate()
     if dtype not in ("bf16", "fp16", "fp32"):
-        raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}")
+        raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}",
+                           hint="profile the precision the model will train in (bf16 unless told)")
     spec = resolve_model(model)
     if spec.max_seq is not None and seq > spec.max_seq:
-        raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions")
+        raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions",
+                           hint=f"give --seq {spec.max_seq} or less, or a model with more positions")
 
     def default_name() -> str:
         # the name `dostune tune` looks for beside the node profile

@@ -25,6 +25,7 @@ from ..models.registry import loss_of, resolve_model
 from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import World, gather_ranks
+from ..records import save_figure
 from ..stats import Stat
 from . import identity
 from .backward_probes import measure_backward_probes
@@ -353,7 +354,6 @@ def plot_memory_timeline(p: ModelProfile, path) -> "os.PathLike":
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
 
     tl = p.memory_timeline
     fig, ax = plt.subplots(figsize=(11, 4))
@@ -369,9 +369,4 @@ def plot_memory_timeline(p: ModelProfile, path) -> "os.PathLike":
     ax.set_title(f"{p.model}, micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}: memory over one iteration "
                  f"({p.node})")
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..records import save_figure
 from .record import TuneResult
 
 PHASE_COLORS = {"fwd": "#8fb8de", "bwd": "#f4a259", "step": "#7fbf7b"}
@@ -49,9 +50,4 @@ def plot_validation(res: TuneResult, path: "str | os.PathLike") -> Path:
     ax.set_title(f"{res.model}, micro-batch {res.micro_batch}: predicted against measured "
                  f"({Path(res.node_profile).stem})", fontsize=9)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
