@@ -183,3 +183,15 @@ def test_shipped_node_profile_says_what_it_lacks():
 def test_backward_inputs_type():
     b = BackwardInputs(1.0, 1.5, 1.0, 2, False, 3.0, False, (1.0, 1.0))
     assert zero_offload_backward(b, node(), pinned=False).copies_s == 2.0
+
+
+def test_the_page_locked_copy_probe_gives_the_hidden_share_also_where_zero_offload_ran_pageable():
+    n = node()
+    copy = copy_seconds(n, 4e9, 0, pinned=True)  # the probe copied 4 GB: 0.08 s at the node's rate
+    m = model(offload_pinned=False, bwd_s=3.0, bwd_no_copy_s=1.0, bwd_pinned_copy=(1.02, 4e9))
+    assert Coefficients.of(n, m, SIZES).backward.visible == pytest.approx(0.02 / copy)
+    # without the probe, a pageable profile says nothing of page-locked copies: taken whole
+    assert Coefficients.of(n, model(offload_pinned=False, bwd_s=3.0, bwd_no_copy_s=1.0), SIZES).backward.visible == 1.0
+    # the probe wins over ZeRO-Offload's pinned backward (it measures the copies dostune makes); never negative
+    m = model(offload_pinned=True, bwd_s=1.32, bwd_no_copy_s=1.0, bwd_pinned_copy=(0.95, 4e9))
+    assert Coefficients.of(n, m, SIZES).backward.visible == 0.0

@@ -64,10 +64,11 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 3 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 4 and prof.offload_pin_memory is True and prof.offload_pinned
     # the iteration that records the timeline is not among the timed ones
     assert all(p.time_s.n == 2 for p in prof.phases.values())
     assert prof.backward_no_copy_s.n == 2 and prof.backward_no_copy_s.median > 0
+    assert prof.backward_pinned_copy is None  # page-locked copies need a CUDA GPU (tests/test_profile_gpu.py)
     lane = prof.backward_lane
     assert lane.threads >= 1 and lane.elements == 65_536 and lane.lane_beside_s.n >= 1
     assert lane.lane_alone_s.median > 0 and lane.backward_s.n == 2

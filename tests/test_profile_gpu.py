@@ -30,6 +30,10 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     assert prof.backward_no_copy_s.median < 1.5 * prof.phases["bwd"].time_s.median
     lane = prof.backward_lane
     assert lane is not None and lane.lane_beside_s.n >= 1 and lane.backward_s.median > 0
+    # page-locked copies of every gradient partition: the model's bytes, a backward that ran
+    copied = prof.backward_pinned_copy
+    assert copied is not None and copied.bytes == 2 * sum(s.numel for s in prof.subgroups)
+    assert copied.backward_s.n == 2 and copied.backward_s.median > 0
     assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
     assert prof.step_parts_s["_partition_all_parameters"] > 0
     m = ModelInputs.from_profile(prof)

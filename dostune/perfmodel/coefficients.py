@@ -135,10 +135,14 @@ def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int,
     accounted = zero_offload_grad_traffic(elements, grad_bytes)
     if m.bwd_no_copy_s is not None:
         compute = m.bwd_no_copy_s
-        # the share of its page-locked copies' time ZeRO-Offload's measured backward showed; profiled pageable, its
-        # copies say nothing of page-locked ones: dostune's are then taken whole
+        # the share of page-locked copies' time that backward showed: measured with such copies alone where the
+        # profile has that probe, else in ZeRO-Offload's backward where it ran pinned; profiled pageable, its copies
+        # say nothing of page-locked ones, and dostune's are then taken whole
         visible = 1.0
-        if m.offload_pinned:
+        if m.bwd_pinned_copy is not None and m.bwd_pinned_copy[1] > 0:
+            seconds, nbytes = m.bwd_pinned_copy
+            visible = min(1.0, max(0.0, (seconds - compute) / copy_seconds(node, nbytes, 0, pinned=True)))
+        elif m.offload_pinned:
             visible = min(1.0, max(0.0, (m.bwd_s - compute) / copy_seconds(node, *accounted, pinned=True)))
     else:
         # ZeRO-Offload's backward less its gradient copies: the bytes NVML counted (else those its code path moves)

@@ -134,6 +134,7 @@ class ModelInputs(BaseModel):
     offload_pinned: bool = True  # ZeRO-Offload's host buffers were page-locked (its gradient copies asynchronous)
     bwd_traffic_bytes: Optional[tuple[float, float]] = None  # (D2H, H2D) bytes NVML counted in its backward
     bwd_no_copy_s: Optional[float] = None  # backward without the gradient copies
+    bwd_pinned_copy: Optional[tuple[float, int]] = None  # (seconds, bytes): backward copying to page-locked memory
     bwd_beside_lane_s: Optional[float] = None  # ... with dostune's CPU-lane kernel working beside it
     lane_threads: Optional[int] = None  # that kernel's threads
     lane_beside_s_per_elem: Optional[float] = None  # its update during that backward, seconds per element
@@ -157,6 +158,8 @@ class ModelInputs(BaseModel):
                    gpu_total_gib=m.gpu_total_gib, offload_pinned=m.offload_pinned,
                    bwd_traffic_bytes=(traffic.tx_gbps * 1e9 * bwd, traffic.rx_gbps * 1e9 * bwd) if traffic else None,
                    bwd_no_copy_s=m.backward_no_copy_s.median if m.backward_no_copy_s is not None else None,
+                   bwd_pinned_copy=(m.backward_pinned_copy.backward_s.median, m.backward_pinned_copy.bytes)
+                   if m.backward_pinned_copy is not None else None,
                    bwd_beside_lane_s=lane.backward_s.median if lane is not None else None,
                    lane_threads=lane.threads if lane is not None else None,
                    lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,

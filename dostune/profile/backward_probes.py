@@ -4,7 +4,10 @@
   host, so backward is its compute and ZeRO-3's hooks alone (``backward_no_copy_s``). ZeRO-Offload's backward is this
   plus its copies; dostune's is this plus its own, fewer, copies into page-locked memory;
 * the same with dostune's CPU-lane kernel working beside it in a thread (``backward_lane``), as ``overlap_backward``
-  runs it: how much the lane slows backward's host-bound hooks, and how fast the lane runs beside them.
+  runs it: how much the lane slows backward's host-bound hooks, and how fast the lane runs beside them;
+* on a GPU, with each gradient partition copied asynchronously into page-locked host memory, as dostune's backward
+  copies them (``backward_pinned_copy``): how much of those copies backward hides. ZeRO-Offload's own backward shows
+  that only where it ran pinned; on a host too small for its pinned buffers it runs pageable and shows nothing of it.
 
 No step follows these passes (the gradients they leave are not used): the engine is measured, not trained, from here
 on. docs/performance-model.md says how the model uses them.
@@ -20,7 +23,7 @@ import torch
 
 from ..errors import DostuneError
 from ..stats import Stat
-from .model_record import BackwardLaneProfile
+from .model_record import BackwardLaneProfile, PinnedCopyProfile
 from .timing import NullProgress, ProgressSink, time_cpu
 
 
@@ -37,6 +40,21 @@ def drop_gradient_copies(opt) -> Callable:
                 param.grad.record_stream(get_accelerator().current_stream())
             param.grad = None
         return list(grad_partitions)
+
+    return partition
+
+
+def copy_gradients_pinned(opt, scratch: torch.Tensor) -> Callable:
+    """A ``partition_grads`` for ``opt`` that releases each parameter's gradient as DeepSpeed's does and copies its
+    partition into the page-locked ``scratch`` (reused: the copies are ordered on the stream they are issued on, the
+    same stream DeepSpeed's own copies take, and nothing reads them)."""
+    drop = drop_gradient_copies(opt)
+
+    def partition(params_to_release, grad_partitions):
+        for g in grad_partitions:
+            flat = g.reshape(-1)
+            scratch[:flat.numel()].copy_(flat, non_blocking=True)
+        return drop(params_to_release, grad_partitions)
 
     return partition
 
@@ -110,12 +128,16 @@ def lane_threads() -> int:
 
 def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, lane_elements: int,
                             half: torch.dtype, progress: Optional[ProgressSink] = None
-                            ) -> tuple[Stat, Optional[BackwardLaneProfile], list[str]]:
+                            ) -> tuple[Stat, Optional[BackwardLaneProfile], Optional[PinnedCopyProfile], list[str]]:
     """``backward()``: one forward (untimed) and backward of the engine whose optimizer is ``opt``, returning
     (start, end) of the backward on the host clock, synchronised. Returns the backward without gradient copies, the
-    lane beside it (None, with a note, where dostune's kernel cannot be built), and notes."""
+    lane beside it (None, with a note, where dostune's kernel cannot be built), the backward with page-locked
+    copies (None without a CUDA GPU), and notes."""
     progress = progress or NullProgress()
-    progress.start("backward without gradient copies, alone and beside the CPU lane", 2 * repeats + 1)
+    pinned = torch.cuda.is_available()
+    progress.start("backward without gradient copies, with page-locked ones, and beside the CPU lane"
+                   if pinned else "backward without gradient copies, alone and beside the CPU lane",
+                   (3 if pinned else 2) * repeats + 1)
     notes: list[str] = []
     before = opt.partition_grads  # DeepSpeed's own, or a profiling wrapper of it: put back as found
     opt.partition_grads = drop_gradient_copies(opt)
@@ -130,12 +152,22 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
         timed()  # warm-up: the first pass without copies
         alone = [timed() for _ in range(repeats)]
         no_copy = Stat.of([b - a for a, b in alone])
+        copied = None
+        if pinned:
+            params = [p for g in opt.fp16_groups for p in g]
+            scratch = torch.empty(max(p.partition_numel() for p in params), dtype=params[0].dtype).pin_memory()
+            opt.partition_grads = copy_gradients_pinned(opt, scratch)
+            runs = [timed() for _ in range(repeats)]
+            opt.partition_grads = drop_gradient_copies(opt)
+            copied = PinnedCopyProfile(bytes=sum(p.partition_numel() for p in params) * scratch.element_size(),
+                                       backward_s=Stat.of([b - a for a, b in runs]))
+            del scratch
         try:
             lane = LaneLoad(lane_elements, lane_threads(), half)
         except (DostuneError, OSError) as e:
             notes.append(f"backward beside the CPU lane not measured ({str(e).splitlines()[0]}): the performance model "
                          "uses its documented fallbacks")
-            return no_copy, None, notes
+            return no_copy, None, copied, notes
         lane_alone = lane.alone(repeats)
         windows, beside = [], []
         for _ in range(repeats):
@@ -144,9 +176,9 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
         beside = lane.within(windows)
         if not beside:
             notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
-            return no_copy, None, notes
+            return no_copy, None, copied, notes
         return no_copy, BackwardLaneProfile(
             threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone, lane_beside_s=Stat.of(beside),
-            backward_s=Stat.of([b - a for a, b in windows])), notes
+            backward_s=Stat.of([b - a for a, b in windows])), copied, notes
     finally:
         opt.partition_grads = before

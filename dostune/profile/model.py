@@ -295,8 +295,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         # the lane's gradients and results in the training's half precision (bf16 for an fp32 profile: the probe is
         # about how the two slow each other, which the dtype barely changes)
         half = torch.float16 if opts.precision == "fp16" else torch.bfloat16
-        no_copy, lane, probe_notes = measure_backward_probes(opt, backward_pass, opts.iters, lane_elements, half,
-                                                             progress)
+        no_copy, lane, pinned_copy, probe_notes = measure_backward_probes(opt, backward_pass, opts.iters,
+                                                                          lane_elements, half, progress)
         notes += probe_notes
     finally:
         for h in handles:
@@ -339,7 +339,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
-        backward_lane=lane, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, notes=notes)
+        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

@@ -19,8 +19,10 @@ from .record import Series
 # 3: offload_pin_memory, backward_no_copy_s, backward_lane, step_parts_s, ds_cpu_adam, ds_unscale (the performance
 # model's coefficients, docs/performance-model.md). Older profiles still load; the model falls back where they lack
 # these, and says so.
-MODEL_SCHEMA_VERSION = 3
-MODEL_READABLE_VERSIONS = (1, 2, 3)
+# 4: backward_pinned_copy (on a GPU: how much of page-locked gradient copies backward hides). Version 3 profiles take
+# that share from ZeRO-Offload's backward where it ran pinned, else take the copies whole.
+MODEL_SCHEMA_VERSION = 4
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -69,6 +71,16 @@ class BackwardLaneProfile(Record):
     lane_alone_s: Stat  # one update, nothing else running
     lane_beside_s: Stat  # one update that started and ended while backward ran
     backward_s: Stat  # backward while the lane worked throughout
+
+
+class PinnedCopyProfile(Record):
+    """Backward with each gradient partition copied asynchronously into page-locked host memory (in the training's
+    half precision, on the stream DeepSpeed's own copies take) instead of DeepSpeed's copies: set against
+    ``backward_no_copy_s`` and the node's page-locked copy rate, the share of such copies that backward does not
+    hide."""
+
+    bytes: int = Field(ge=0)  # copied in one backward
+    backward_s: Stat
 
 
 class WorldRecord(Record):
@@ -122,6 +134,7 @@ class ModelProfile(Record):
     # ZeRO-3's hooks without the offload's copies (after the timed iterations; no step follows them).
     backward_no_copy_s: Optional[Stat] = None
     backward_lane: Optional[BackwardLaneProfile] = None  # v3
+    backward_pinned_copy: Optional[PinnedCopyProfile] = None  # v4, on a GPU (backward_probes.py)
     # v3. DeepSpeed's step outside the per-subgroup updates, by part (median seconds per step): its prologue helpers
     # (_pre_step, _partition_all_parameters, _overflow_check_and_loss_scale_update, _get_norm_groups,
     # _loss_scale_update_and_overflow_cleanup), its epilogue (_post_step) and "engine" (the engine's own work around
