@@ -7,7 +7,10 @@ with one line, unless the user says otherwise through ``DOSTUNE_ALLOW_DEEPSPEED`
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
 from importlib import metadata
 from typing import Optional
 
@@ -60,3 +63,47 @@ def check_deepspeed(purpose: str = "dostune") -> Optional[str]:
     raise DostuneError(f"DeepSpeed {version} is installed but {purpose} is tested with DeepSpeed {tested_range()} "
                        "only (it replaces private ZeRO-3 optimizer methods that change between releases)",
                        hint=f"{pin}, or set {ALLOW_ENV}={version} to run at your own risk")
+
+
+# DeepSpeed's note on every CPU run ("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+# printed by deepspeed.comm when it loads its shared-memory or oneCCL op): news only when it is not the case.
+_BUILD_NOTE = re.compile(r"DeepSpeed \S+ built successfully")
+
+
+class StderrWithoutBuildNotes:
+    """stdout redirected to stderr, less DeepSpeed's "... built successfully" lines. Writes are passed on by the
+    line (a line is held until its newline, or a flush); everything else a file has is stderr's."""
+
+    def __init__(self, target):
+        self._target = target
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._pending + text).split("\n")
+        self._pending = lines.pop()
+        kept = [line for line in lines if not _BUILD_NOTE.fullmatch(line.strip())]
+        if kept:
+            self._target.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        """Pass on the line begun so far (a prompt, a progress dot), unless it is the note before its newline."""
+        if self._pending and not _BUILD_NOTE.fullmatch(self._pending.strip()):
+            self._target.write(self._pending)
+            self._pending = ""
+        self._target.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Inside: stdout goes to stderr (stdout is for the --json output a script reads), less DeepSpeed's
+    "... built successfully" lines (a failed build still raises)."""
+    stream = StderrWithoutBuildNotes(sys.stderr)
+    try:
+        with contextlib.redirect_stdout(stream):
+            yield
+    finally:
+        stream.flush()  # a last line without its newline, unless it is the note

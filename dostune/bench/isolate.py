@@ -8,14 +8,13 @@ pipe, and when it dies instead the parent turns how it died and in which phase i
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
-import sys
 import warnings
 from typing import Optional
 
+from ..deepspeed_support import stdout_to_stderr
 from ..dsconfig import OffloadSettings
 from ..profile.timing import ProgressSink
 from .record import MethodResult
@@ -54,7 +53,7 @@ def _child(conn, name: str, opts, offload: OffloadSettings, warning_filters: lis
 
     try:
         # stdout belongs to the parent's --json output; DeepSpeed prints to it when it builds an op
-        with contextlib.redirect_stdout(sys.stderr):
+        with stdout_to_stderr():
             res = run_method_here(name, resolve_model(opts.model), opts, offload, _PipeProgress(conn))
     except BaseException as e:  # resolve_model or the pipe itself; run_method_here reports the method's own
         res = MethodResult(method=name, description=opts.describe(name), ran=False,

@@ -1,11 +1,9 @@
 """Shared CLI plumbing: consoles, error handling, progress bars."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import re
 import sys
 from typing import Any, Callable
 
@@ -13,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from ..deepspeed_support import StderrWithoutBuildNotes, stdout_to_stderr
 from ..errors import DostuneError
 
 # Width when stderr is not a terminal (a log, CI, a pipe): rich's default of 80 columns would cut the tuning
@@ -141,7 +140,7 @@ class RichProgress:
         if not self._live:
             return False
         self._finish_current()
-        if isinstance(sys.stdout, _StderrWithoutBuildNotes):
+        if isinstance(sys.stdout, StderrWithoutBuildNotes):
             sys.stdout.flush()
         return self._progress.__exit__(*exc)
 
@@ -172,55 +171,17 @@ def need_deepspeed(purpose: str) -> None:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
-# DeepSpeed's note on every CPU run ("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
-# printed by deepspeed.comm when it loads its shared-memory or oneCCL op): news only when it is not the case.
-_BUILD_NOTE = re.compile(r"DeepSpeed \S+ built successfully")
-
-
-class _StderrWithoutBuildNotes:
-    """stdout redirected to stderr, less DeepSpeed's "... built successfully" lines. Writes are passed on by the
-    line (a line is held until its newline, or a flush); everything else a file has is stderr's."""
-
-    def __init__(self, target):
-        self._target = target
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        lines = (self._pending + text).split("\n")
-        self._pending = lines.pop()
-        kept = [line for line in lines if not _BUILD_NOTE.fullmatch(line.strip())]
-        if kept:
-            self._target.write("\n".join(kept) + "\n")
-        return len(text)
-
-    def flush(self) -> None:
-        """Pass on the line begun so far (a prompt, a progress dot), unless it is the note before its newline."""
-        if self._pending and not _BUILD_NOTE.fullmatch(self._pending.strip()):
-            self._target.write(self._pending)
-            self._pending = ""
-        self._target.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-
 def _quiet_live_stdout() -> None:
     """A live display started inside quiet_stdout on a terminal puts its own stdout in front (rich's FileProxy,
     which prints through the display's console): drop DeepSpeed's note there too. The display puts back what it
     found when it stops."""
     from rich.file_proxy import FileProxy
 
-    if isinstance(sys.stdout, FileProxy) and isinstance(sys.stdout.rich_proxied_file, _StderrWithoutBuildNotes):
-        sys.stdout = _StderrWithoutBuildNotes(sys.stdout)
+    if isinstance(sys.stdout, FileProxy) and isinstance(sys.stdout.rich_proxied_file, StderrWithoutBuildNotes):
+        sys.stdout = StderrWithoutBuildNotes(sys.stdout)
 
 
-@contextlib.contextmanager
 def quiet_stdout():
     """Inside: what third-party code prints to stdout goes to stderr, so that stdout carries only the --json
     output a script reads; DeepSpeed's "... op built successfully" is dropped (a failed build still raises)."""
-    stream = _StderrWithoutBuildNotes(sys.stderr)
-    try:
-        with contextlib.redirect_stdout(stream):
-            yield
-    finally:
-        stream.flush()  # a last line without its newline, unless it is the note
+    return stdout_to_stderr()
