@@ -104,6 +104,25 @@ def test_subgroups_and_model_profile_on_two_ranks_match_deepspeeds_partitions():
         assert prof.phases[ph].time_s.median == max(r.phases[ph].time_s.median for r in prof.ranks)
 
 
+def test_model_profile_under_the_launcher_is_one_file_with_every_rank(tmp_path):
+    """`deepspeed --num_gpus 2 --module dostune.profile --model M` (the launcher's entry point itself): both ranks
+    measure their partition and rank 0 alone writes one model profile, named for the world it ran in (the name
+    `dostune tune --num-gpus 2` looks for), with both ranks' phases and the slowest rank's as the profile's."""
+    from dostune.profile.model_record import load_model_profile
+
+    out, = _finish(_launch("--num_gpus", "2", "--master_port", str(_port()), "--module", "dostune.profile",
+                           "--model", "gpt2-tiny", "--micro-batch", "2", "--seq", "16", "--iters", "2",
+                           "--name", "cpu", cwd=tmp_path))
+    files = sorted(tmp_path.rglob("*.json"))
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["runs/profiles/cpu-gpt2-tiny-b2-s16-1x2.json"], \
+        out[-3000:]
+    assert out.count("model profile written to") == 1
+    prof = load_model_profile(files[0])
+    assert (prof.world.nodes, prof.world.gpus_per_node) == (1, 2) and [r.rank for r in prof.ranks] == [0, 1]
+    for ph in ("fwd", "bwd", "step"):
+        assert prof.phases[ph].time_s.median == max(r.phases[ph].time_s.median for r in prof.ranks)
+
+
 def _metrics(tmp_path: Path, name: str, ranks: int) -> list[list[float]]:
     files = [tmp_path / f"{name}.jsonl"] + [tmp_path / f"{name}.rank{k}.jsonl" for k in range(1, ranks)]
     return [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in files]

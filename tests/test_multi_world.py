@@ -1,6 +1,7 @@
 """Tuning for N GPUs and M nodes without launching anything: the world and where it comes from, one rank's share of
 the node in the performance model, the tuner's world checks, and the refusals before any engine is built."""
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -123,6 +124,26 @@ def test_a_concurrent_cpu_adam_measurement_replaces_the_derivation():
     rank, notes = rank_inputs(p, World(1, 2))
     assert max(c.rate for c in rank.cpu_adam.values()) == pytest.approx(1e9)
     assert any("2 processes at once measured" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_the_node_profile_measures_cpu_adam_in_n_processes_at_once_on_a_cpu(tmp_path):
+    """`dostune profile --ranks-per-node 2` without a GPU still measures CPU Adam in 2 processes started together
+    (what 2 ranks of one node do at the step), each with half the cores: the series the model prefers to its own
+    derivation (test above)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "node.json"
+    r = subprocess.run([sys.executable, "-m", "dostune", "profile", "--quick", "--ranks-per-node", "2", "--name", "q",
+                        "--output", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = load_node_profile(out)
+    assert set(p.cpu_adam.concurrent) == {2}
+    series = p.cpu_adam.concurrent[2]
+    assert series.points and all(pt.seconds.median > 0 for pt in series.points) and series.fit.rate_per_s > 0
+    assert all(pt.threads == max(1, p.host.logical_cores // 2) for pt in series.points)
 
 
 def test_schema_1_profiles_still_load_and_new_ones_are_schema_3():
