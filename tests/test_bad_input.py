@@ -207,7 +207,9 @@ def test_unreadable_input_hint_is_specific(paths):
     """Binary, empty and folder inputs say what to name instead (not only where --help is)."""
     for line in ("check --baseline {bin} --current {bench}", "tune --trials 2 --output-dir {out} --profile {empty}",
                  "train --config {dir} --model gpt2-tiny", "tune --trials 2 --output-dir {out} --hostfile {bin}",
-                 "tune --trials 2 --output-dir {out} --precision fp8"):
+                 "tune --trials 2 --output-dir {out} --precision fp8",
+                 "bench --model gpt2-tiny --seq 4096 --output {out}",
+                 "train --config {cfg_plain} --model gpt2-tiny --seq 16 --resume --metrics {out}"):
         r = CliRunner().invoke(app, [a.format(**paths) for a in line.split()])
         hint = r.output.splitlines()[-1]
         assert r.exit_code == 2 and hint.startswith("hint: ") and "--help" not in hint, (line, r.output)

@@ -315,8 +315,7 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
         raise DostuneError("--iters, --micro-batch and --seq must be at least 1, --warmup at least 0")
     methods = opts.resolved_methods()
     spec = resolve_model(opts.model)
-    if spec.max_seq is not None and opts.seq > spec.max_seq:
-        raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
+    spec.check_seq(opts.seq)
     _train_settings(opts).validate()
     numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
     for name in methods:

@@ -160,9 +160,7 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
         raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}",
                            hint="profile the precision the model will train in (bf16 unless told)")
     spec = resolve_model(model)
-    if spec.max_seq is not None and seq > spec.max_seq:
-        raise DostuneError(f"--seq {seq} exceeds {model}'s {spec.max_seq} positions",
-                           hint=f"give --seq {spec.max_seq} or less, or a model with more positions")
+    spec.check_seq(seq)
 
     def default_name() -> str:
         # the name `dostune tune` looks for beside the node profile

@@ -65,6 +65,12 @@ class ModelSpec:
     max_seq: Optional[int] = None
     config: dict = field(default_factory=dict)
 
+    def check_seq(self, seq: int) -> None:
+        """Refuse a sequence longer than the model's positions (before anything is built)."""
+        if self.max_seq is not None and seq > self.max_seq:
+            raise DostuneError(f"--seq {seq} exceeds {self.name}'s {self.max_seq} positions",
+                               hint=f"give --seq {self.max_seq} or less, or a model with more positions")
+
     def build(self, checkpointing: bool = False) -> nn.Module:
         """The model; with ``checkpointing`` each transformer block's activations are recomputed in backward
         instead of kept (activation checkpointing)."""

@@ -110,7 +110,8 @@ def load_ds_config(path: Path) -> dict:
                                "and the number of GPUs), or make it match")
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict) or zero.get("stage") != 3:
-        raise ConfigError(f"{path}: dostune trains with ZeRO stage 3; set zero_optimization.stage to 3")
+        raise ConfigError(f"{path}: dostune trains with ZeRO stage 3; set zero_optimization.stage to 3",
+                          hint="or make the config with `dostune tune`, which writes stage 3")
     return cfg
 
 
@@ -131,11 +132,11 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
     if opts.steps < 1:
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
-        raise DostuneError("--resume needs --save-dir (where the checkpoints are)")
+        raise DostuneError("--resume needs --save-dir (where the checkpoints are)",
+                           hint="give --save-dir the folder the interrupted run saved into")
     cfg = load_ds_config(Path(opts.config))
     spec = resolve_model(opts.model)
-    if spec.max_seq is not None and opts.seq > spec.max_seq:
-        raise DostuneError(f"--seq {opts.seq} exceeds {opts.model}'s {spec.max_seq} positions")
+    spec.check_seq(opts.seq)
     check_deepspeed("dostune train")
     if opts.save_dir is not None:
         check_writable(opts.save_dir, "--save-dir", directory=True)
