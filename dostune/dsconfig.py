@@ -14,16 +14,23 @@ import copy
 from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
-from .errors import ConfigError
+from .errors import ConfigError, DostuneError
 from .optim.schedule import SECTION, ScheduleConfig
 
 Precision = Literal["bf16", "fp16", "fp32"]
+PRECISIONS = get_args(Precision)
 # Who reads the emitted config: DeepSpeed itself (every value concrete), the Hugging Face Trainer, or Accelerate
 # in the user's own loop (each with "auto" where it fills the value in; see hf_config).
 Target = Literal["deepspeed", "trainer", "accelerate"]
 
 # fp16's dynamic loss scaling, in every config that may run in fp16
 FP16_LOSS_SCALING = {"loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+
+
+def check_precision(value: Optional[str], hint: str) -> None:
+    """--precision names one of PRECISIONS (None: the command's default); ``hint``: what the command does without it."""
+    if value is not None and value not in PRECISIONS:
+        raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {value!r}", hint=hint)
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,7 @@ class TrainSettings:
     def validate(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
             raise ConfigError("micro-batch and gradient accumulation must be at least 1")
-        if self.precision not in ("bf16", "fp16", "fp32"):
+        if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be bf16, fp16 or fp32, got {self.precision!r}")
         if self.clip < 0:
             raise ConfigError(f"gradient clipping must be >= 0 (0 disables it), got {self.clip}")

@@ -24,7 +24,7 @@ import torch
 
 from .._version import __version__
 from ..invocation import invocation
-from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..dsconfig import OffloadSettings, TrainSettings, check_precision, deepspeed_config
 from ..errors import DostuneError
 from ..models.registry import ModelSpec, loss_of, resolve_model
 from ..optim.schedule import ScheduleConfig
@@ -316,6 +316,7 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
     methods = opts.resolved_methods()
     spec = resolve_model(opts.model)
     spec.check_seq(opts.seq)
+    check_precision(opts.precision, hint="leave --precision out for bf16, the default")
     _train_settings(opts).validate()
     numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
     for name in methods:

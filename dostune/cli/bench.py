@@ -20,8 +20,7 @@ from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
 from ..records import atomic_write_text, check_writable, read_json_record, save_record
 from ..tune.refit import TunedConfig
-from .common import (RichProgress, check_precision, err_console, flag, handle_errors, need_deepspeed, print_json,
-                     quiet_stdout)
+from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -130,7 +129,6 @@ def bench(
     Two schedules against no offload, drift cancelled (A B C, C B A):
     dostune bench --methods no-offload,dostune --rounds 2 --config a/ds_config.json --config b/ds_config.json
     """
-    check_precision(precision, hint="leave --precision out for bf16, the default")
     configs = list(config or [])
     sched, sgs, tuned_world = _schedule_from(configs[0] if configs else None, schedule)
     variants = _variants(configs, dostune_sub_group_size) if len(configs) > 1 else []

@@ -101,15 +101,6 @@ def parse_fraction(text: str | float, option: str) -> float:
     return value
 
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-
-
-def check_precision(value: str | None, hint: str) -> None:
-    """--precision names one of PRECISIONS (None: the command's default)."""
-    if value is not None and value not in PRECISIONS:
-        raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {value!r}", hint=hint)
-
-
 def flag(default: bool, *names: str, help: str) -> Any:
     """A boolean option shown as a flag (no '<bool>' value placeholder in --help)."""
     return typer.Option(default, *names, help=help, metavar="")

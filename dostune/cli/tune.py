@@ -16,26 +16,8 @@ from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
-from .common import (RichProgress, check_precision, err_console, flag, handle_errors, need_deepspeed, parse_fraction,
-                     print_json, quiet_stdout)
-
-
-def _check_hostfile(path: Optional[Path]) -> None:
-    """--hostfile is a text file that can be read (its lines are judged when the world is worked out)."""
-    if path is None:
-        return
-    what = "check the path: DeepSpeed's hostfile is text, one 'HOST slots=N' line per node"
-    if not path.exists():
-        raise DostuneError(f"--hostfile {path} does not exist", hint=what)
-    if not path.is_file():
-        raise DostuneError(f"--hostfile {path} is not a file", hint=what)
-    try:
-        path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DostuneError(f"--hostfile {path} is not a text file (it holds binary data)", hint=what) from None
-    except OSError as e:
-        raise DostuneError(f"cannot read --hostfile {path}: {e.strerror or e}",
-                           hint="check the file's permissions") from None
+from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
+                     quiet_stdout)
 
 
 def _f(x, fmt="{:.3f}"):
@@ -166,8 +148,6 @@ def tune(
 
     Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
     """
-    check_precision(precision, hint="leave --precision out to tune for the one the model profile was measured in")
-    _check_hostfile(hostfile)
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget,
                        max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),

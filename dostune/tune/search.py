@@ -12,7 +12,8 @@ from typing import Optional
 
 from .._version import __version__
 from ..optim.schedule import ScheduleConfig
-from ..dsconfig import OffloadSettings, Target, TrainSettings, check_target, deepspeed_config, hf_config
+from ..dsconfig import (OffloadSettings, Target, TrainSettings, check_precision, check_target, deepspeed_config,
+                        hf_config)
 from ..errors import DostuneError, ProfileError
 from ..invocation import invocation
 from ..models.registry import resolve_model
@@ -305,8 +306,7 @@ def check_options(opts: TuneOptions) -> None:
     if opts.trials < 1:
         raise DostuneError(f"--trials must be at least 1, got {opts.trials}")
     check_target(opts.target)
-    if opts.precision is not None and opts.precision not in ("bf16", "fp16", "fp32"):
-        raise DostuneError(f"--precision must be bf16, fp16 or fp32, got {opts.precision!r}")
+    check_precision(opts.precision, hint="leave --precision out to tune for the one the model profile was measured in")
     if opts.sampler not in SAMPLERS:
         raise DostuneError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {opts.sampler!r}")
     if opts.max_peak_increase is not None and not opts.max_peak_increase >= 0:

@@ -22,12 +22,17 @@ def resolve_world(num_gpus: Optional[int], nodes: Optional[int], hostfile: Optio
     if hostfile is None:
         return World(nodes=nodes or 1, gpus_per_node=num_gpus or 1)
     path = Path(hostfile)
+    what = "check the path: DeepSpeed's hostfile is text, one 'HOST slots=N' line per node"
     if not path.is_file():
-        raise DostuneError(f"--hostfile {path} does not exist" if not path.exists() else f"--hostfile {path} is not a file")
+        problem = "does not exist" if not path.exists() else "is not a file"
+        raise DostuneError(f"--hostfile {path} {problem}", hint=what)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DostuneError(f"cannot read --hostfile {path}: {getattr(e, 'strerror', None) or e}") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DostuneError(f"--hostfile {path} is not a text file (it holds binary data)", hint=what) from None
+    except OSError as e:
+        raise DostuneError(f"cannot read --hostfile {path}: {e.strerror or e}", hint="check the file's permissions") \
+            from None
     world = world_of_hostfile(text, str(path))
     for flag, given, found in (("--num-gpus", num_gpus, world.gpus_per_node), ("--nodes", nodes, world.nodes)):
         if given is not None and given != found:
