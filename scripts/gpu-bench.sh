@@ -20,7 +20,10 @@
 #                       first): ZeRO-Offload and the best schedules run beside their predictions, phase by phase
 #                       -> $OUT/validate-NAME/{model-profile.json,tune.json,validation.png,ds_config.json}. ARGS (+ for
 #                       spaces) go to both commands: flags they share, e.g. --micro-batch+16+--activation-checkpointing.
-#                       MODEL is a preset or hf=PATH (a Hugging Face config file; NAME is its file name)
+#                       MODEL is a preset, hf=PATH (a Hugging Face config file; NAME is its file name) or
+#                       py=MODULE.FACTORY (your own factory, --model MODULE:FACTORY; NAME is FACTORY). VALIDATE_ARGS:
+#                       flags for tune alone, e.g. "--validate-iters 2" (each method runs --validate-rounds 2 rounds
+#                       in reversed order by default)
 #   report              every validated model against the bounds (median error of iteration <= 10%, of the step <= 20%,
 #                       for dostune and ZeRO-Offload) -> $OUT/validation-report.md; fails when one misses
 # Example, the whole flow for gpt2-1.3b, every method measured twice in reverse order (drift-cancelling):
@@ -115,7 +118,10 @@ for step in "$@"; do
     validate:*)
       split "${step#validate:}"
       name=$model
-      case "$model" in hf=*) name=$(basename "${model#hf=}" .json); model="hf:${model#hf=}" ;; esac
+      case "$model" in
+        hf=*) name=$(basename "${model#hf=}" .json); model="hf:${model#hf=}" ;;
+        py=*) model=${model#py=}; name=${model##*.}; model="${model%.*}:$name" ;;
+      esac
       dir="$OUT/validate-$name"
       if [ ! -f "$OUT/node.json" ]; then echo "validate needs $OUT/node.json: run the profile step first" >&2; rc=1
       else
@@ -123,7 +129,7 @@ for step in "$@"; do
         dostune profile --model "$model" --micro-batch 8 --seq 1024 --name "$NODE" \
           --output "$dir/model-profile.json" --plot "$dir/model-profile.png" --force $args \
         && dostune tune --model "$model" --profile "$OUT/node.json" --model-profile "$dir/model-profile.json" \
-          --validate "$VALIDATE" --output-dir "$dir" --storage "sqlite:///$dir/study.db" $args \
+          --validate "$VALIDATE" ${VALIDATE_ARGS:-} --output-dir "$dir" --storage "sqlite:///$dir/study.db" $args \
           2>&1 | tee "$dir/tune.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       fi ;;

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dostune.bench.record import MethodResult
-from dostune.errors import NotAvailable
+from dostune.errors import DostuneError, NotAvailable
 from dostune.profile.paths import shipped_profile
 from dostune.tune import validation_report
 from dostune.tune.record import TuneResult
@@ -35,13 +35,18 @@ class FakeBench:
         f, b, s = self.scale
         base = (0.13, 0.25, 1.14) if name == "zero-offload" else (0.13, 0.24, 0.12)
         fwd, bwd, step = base[0] * f, base[1] * b, base[2] * s
-        return MethodResult(method=name, description="", iter_s=fwd + bwd + step, fwd_s=fwd, bwd_s=bwd, step_s=step,
-                            peak_gpu_gib=20.0)
+        # later calls of a method run slower by 10% a call: a host that drifts
+        drift = 1.0 + 0.1 * sum(c[2] is offload for c in self.calls[:-1])
+        samples = {"fwd": [fwd * drift], "bwd": [bwd * drift], "step": [step * drift],
+                   "iter": [(fwd + bwd + step) * drift]}
+        return MethodResult(method=name, description="", iter_s=samples["iter"][0], fwd_s=samples["fwd"][0],
+                            bwd_s=samples["bwd"][0], step_s=samples["step"][0], peak_gpu_gib=20.0, samples=samples,
+                            round_iter_s=samples["iter"])
 
 
 def test_validate_records_every_phase_of_zero_offload_and_each_schedule(tuned):
     bench = FakeBench((1.1, 0.9, 1.5))
-    rows = validate(tuned, 3, seq=1024, runner=bench, host_available=120 * 2**30)
+    rows = validate(tuned, 3, seq=1024, rounds=1, runner=bench, host_available=120 * 2**30).rows
     names = [c[0] for c in bench.calls]
     assert names == ["zero-offload", "dostune", "dostune", "dostune"]
     # clipping off: the model predicts steps that do not clip; ZeRO-Offload pinned where the host holds it,
@@ -61,12 +66,35 @@ def test_validate_records_every_phase_of_zero_offload_and_each_schedule(tuned):
     assert first.step_error == pytest.approx(abs(first.predicted_step_s - 0.18) / 0.18)
 
 
+def test_validate_rounds_alternate_the_order_and_pool_every_round(tuned):
+    bench = FakeBench((1.0, 1.0, 1.0))
+    run = validate(tuned, 2, seq=1024, rounds=3, runner=bench, host_available=120 * 2**30)
+    # ZeRO-Offload, #1, #2 (fails in its first round: not run again), then reversed, then forward again
+    order = [(c[0], c[2].sub_group_size, (c[2].schedule.gpu_fraction if c[2].schedule else None)) for c in bench.calls]
+    zo, one, two = order[0], order[1], order[2]
+    assert order == [zo, one, two, one, zo, zo, one]
+    assert [c[1].rounds for c in bench.calls] == [3] * 7
+    rows = run.rows
+    assert [v.label for v in rows] == ["zero-offload", "dostune #1"]
+    # the median of the three rounds' samples (x1.0, x1.1, x1.2 as the host drifts), not the first round's
+    assert rows[0].measured_step_s == pytest.approx(1.14 * 1.1)
+    assert rows[1].measured_bwd_s == pytest.approx(0.24 * 1.1)
+    # the bench record keeps every method's pooled samples, the failed one with its error
+    assert run.bench.rounds == 3 and run.bench.clip == 0.0 and run.bench.model == tuned.model
+    assert sorted(run.bench.methods) == ["dostune #1", "dostune #2", "zero-offload"]
+    assert run.bench.methods["dostune #1"].samples["iter"] == pytest.approx([0.49, 0.49 * 1.1, 0.49 * 1.2])
+    assert not run.bench.methods["dostune #2"].ran and run.bench.methods["dostune #2"].error == "out of memory"
+    with pytest.raises(DostuneError, match="at least 1 round"):
+        validate(tuned, 1, seq=1024, rounds=0, runner=bench, host_available=120 * 2**30)
+
+
 def test_validate_runs_zero_offload_pageable_where_the_host_cannot_pin_it(tuned):
     bench = FakeBench((1.0, 1.0, 1.0))
-    rows = validate(tuned, 1, seq=1024, runner=bench, host_available=26 * 2**30)
+    rows = validate(tuned, 1, seq=1024, rounds=1, runner=bench, host_available=26 * 2**30).rows
     assert not bench.calls[0][2].pin_memory and "pin_memory false" in rows[0].label
     bench = FakeBench((1.0, 1.0, 1.0))
-    rows = validate(tuned, 1, seq=1024, runner=bench, host_available=2 * 2**30)  # not even pageable: not run
+    rows = validate(tuned, 1, seq=1024, rounds=1, runner=bench,
+                    host_available=2 * 2**30).rows  # not even pageable: not run
     assert [c[0] for c in bench.calls] == ["dostune"] and rows[0].method == "dostune"
 
 
@@ -81,7 +109,8 @@ def test_validate_needs_a_gpu_without_a_runner(tuned):
 
 def test_figure_record_and_report(tuned, tmp_path):
     res = tuned.model_copy(deep=True)
-    res.validation = validate(res, 2, seq=1024, runner=FakeBench((1.0, 1.05, 1.1)), host_available=120 * 2**30)
+    res.validation = validate(res, 2, seq=1024, rounds=1, runner=FakeBench((1.0, 1.05, 1.1)),
+                              host_available=120 * 2**30).rows
     png = plot_validation(res, tmp_path / "validation.png")
     assert png.stat().st_size > 10_000
     res.validation_figure = str(png)
@@ -101,7 +130,8 @@ def test_figure_record_and_report(tuned, tmp_path):
     assert TuneResult.model_validate(old).median_iter_error is not None
     # the report across models: every row within the bounds here, one model off by more than 10% below
     off = res.model_copy(deep=True)
-    off.validation = validate(off, 1, seq=1024, runner=FakeBench((1.0, 2.0, 1.0)), host_available=120 * 2**30)
+    off.validation = validate(off, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 2.0, 1.0)),
+                              host_available=120 * 2**30).rows
     off.model = "other"
     (tmp_path / "off.json").write_text(off.model_dump_json())
     out = tmp_path / "report.md"

@@ -352,6 +352,19 @@ def node_label(opts: BenchOptions) -> str:
     return opts.node or gpu_name() or f"cpu-{os.cpu_count()}c"
 
 
+def bench_record(opts: BenchOptions, params: int, methods: dict[str, MethodResult], created: Optional[str] = None,
+                 command: Optional[str] = None) -> BenchResult:
+    """The bench record of ``methods`` (each pooled over its rounds) measured with ``opts`` on this machine."""
+    gpu, world = gpu_name(), World.of_run()
+    return BenchResult(
+        created=created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=command or invocation(), dostune_version=__version__, deepspeed_version=deepspeed_version(),
+        torch_version=torch.__version__, node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu,
+        model=opts.model, params=params, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
+        clip=opts.clip, warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed,
+        world_size=world.size, nodes=world.nodes, methods=methods)
+
+
 def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, command: Optional[str] = None,
               on_result: Optional[Callable[[BenchResult], None]] = None) -> BenchResult:
     """Measure every method; ``on_result`` gets the result so far after each method, so that a caller can keep
@@ -361,17 +374,10 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     opts.train = _train_settings(opts)
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    gpu = gpu_name()
-    world = World.of_run()
 
     def result() -> BenchResult:
-        return BenchResult(
-            created=created, command=command or invocation(), dostune_version=__version__,
-            deepspeed_version=deepspeed_version(), torch_version=torch.__version__,
-            node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu, model=opts.model, params=params,
-            micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision, clip=opts.clip,
-            warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed, world_size=world.size,
-            nodes=world.nodes, methods={name: pool_rounds(runs[name]) for name in methods if runs[name]})
+        return bench_record(opts, params, {name: pool_rounds(runs[name]) for name in methods if runs[name]},
+                            created=created, command=command)
 
     numels = param_numels(spec)
     host_available = available_host_bytes()
@@ -385,7 +391,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                 d, z = runs.get("dostune"), runs.get("zero-offload")
                 if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
                     twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
-            sink = _RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
+            sink = RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
             try:
                 off, note = fit_host_memory(name, method_offload(name, opts, twin_ratio), numels, opts.precision,
                                             host_available)
@@ -403,7 +409,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     return result()
 
 
-class _RoundProgress:
+class RoundProgress:
     """Progress of one round: the round's number before each description."""
 
     def __init__(self, inner: ProgressSink, prefix: str):

@@ -115,7 +115,14 @@ def tune(
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real, "
                                  "gradient clipping off as the model predicts, and report measured against predicted "
-                                 "per phase (tune.json's validation, validation.png)."),
+                                 "per phase (tune.json's validation, validation.png; the measurements themselves in "
+                                 "validation-bench.json)."),
+    validate_rounds: int = typer.Option(2, min=1, help="With --validate: measure every method this many times, the "
+                                        "order reversed every other round (as bench --rounds), each row the median "
+                                        "of all its rounds' iterations. One process per row measures the host's "
+                                        "moment as much as the schedule."),
+    validate_iters: int = typer.Option(5, min=1, help="With --validate: timed iterations per method and round, after "
+                                       "2 of warm-up."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
                                            "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
                                            "slots=N of each hostfile line). One rank per GPU; the model predicts one "
@@ -171,9 +178,13 @@ def tune(
             from ..tune.validate import validate as run_validation
 
             with quiet_stdout():
-                res.validation = run_validation(res, validate, seq=res.seq or 1024, progress=progress,
-                                                activation_checkpointing=activation_checkpointing)
+                run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters,
+                                     rounds=validate_rounds, progress=progress,
+                                     activation_checkpointing=activation_checkpointing)
+            res.validation = run.rows
     out = tune_output_dir(opts)
+    if validate:
+        res.validation_bench = str(save_record(run.bench, out / "validation-bench.json"))
     if res.validation:
         from ..tune.validation_figure import plot_validation
 

@@ -128,6 +128,7 @@ class TuneResult(Record):
     host_budget_gib: Optional[float] = None  # pinned host memory the ranks of one node may hold together
     validation: list[Validation] = Field(default_factory=list)
     validation_figure: Optional[str] = None  # predicted against measured, per phase and schedule (tune --validate)
+    validation_bench: Optional[str] = None  # the validation's measurements as a bench record (traced steps included)
     notes: list[str] = Field(default_factory=list)
 
     @property

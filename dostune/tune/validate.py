@@ -5,14 +5,21 @@ They run with gradient clipping off: the model predicts steps that do not clip (
 redoes the CPU lane's updates made during backward, and a freshly initialised model clips every step), so that is
 what is measured. ZeRO-Offload runs in the form this host's memory holds (pin_memory off where its pinned buffers
 cannot fit), the form the model profile measured and the prediction assumes.
+
+They run in rounds, as ``dostune bench --rounds`` runs its methods: every method once per round, the order reversed
+every other round (ZeRO-Offload, #1, #2, ..., then ..., #2, #1, ZeRO-Offload), and each row is the median of all its
+rounds' iterations. Each method runs in a fresh process, and on the H100 hosts schedules the model predicts alike read
+backwards of 1.56 and 2.35 s in two processes minutes apart: a single process per row measures the moment as much as
+the schedule. The pooled measurements, each method's traced step included, are kept as a bench record
+(``validation-bench.json`` beside tune.json).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from ..bench.record import MethodResult
-from ..bench.run import BenchOptions, method_offload, run_method
+from ..bench.record import BenchResult, MethodResult
+from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offload, pool_rounds, run_method
 from ..dsconfig import OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
@@ -39,11 +46,21 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       measured_iter_s=measured.iter_s, measured_peak_gpu_gib=measured.peak_gpu_gib)
 
 
-def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int = 2,
+@dataclass
+class ValidationRun:
+    rows: list[Validation]  # predicted beside measured, one per method that ran (tune.json's validation)
+    bench: BenchResult  # every method's pooled measurement, as dostune bench records it
+
+
+def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int = 2, rounds: int = 2,
              progress: Optional[ProgressSink] = None, activation_checkpointing: bool = False,
-             runner: Optional[Runner] = None, host_available: Optional[int] = None) -> list[Validation]:
-    """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, a few iterations each. ``runner``:
-    how a method is measured (default: ``dostune bench``'s, which needs a CUDA GPU)."""
+             runner: Optional[Runner] = None, host_available: Optional[int] = None) -> ValidationRun:
+    """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, ``iters`` iterations each in each of
+    ``rounds`` rounds (the order reversed every other round). ``runner``: how a method is measured (default:
+    ``dostune bench``'s, which needs a CUDA GPU)."""
+    if rounds < 1 or iters < 1 or warmup < 0:
+        raise DostuneError(f"validation needs at least 1 round and 1 iteration, got {rounds} and {iters}",
+                           hint="see dostune tune --help")
     if runner is None:
         if not cuda_available():
             raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU")
@@ -52,25 +69,33 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
     progress = progress or NullProgress()
     spec = resolve_model(result.model)
     opts = BenchOptions(model=result.model, micro_batch=result.micro_batch, seq=seq, precision=result.precision,
-                        iters=iters, warmup=warmup, clip=0.0, sub_group_size=result.ds_sub_group_size or 100_000_000)
+                        iters=iters, warmup=warmup, rounds=rounds, clip=0.0,
+                        sub_group_size=result.ds_sub_group_size or 100_000_000)
     opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision, clip=0.0,
                          activation_checkpointing=activation_checkpointing)
-    out = []
+    # (label, method, offload settings, sub_group_size, schedule, prediction) of every method to measure
+    jobs = []
     try:
         zo, note = fit_host_memory("zero-offload", method_offload("zero-offload", opts, None), param_numels(spec),
                                    result.precision, host_available)
     except DostuneError:  # its state cannot fit this host at all: nothing to compare with
         zo = None
     if zo is not None and result.ds_offload is not None:
-        base = runner("zero-offload", spec, opts, zo, progress)
-        if base.ran:
-            label = "zero-offload" + (f" ({note})" if note else "")
-            out.append(row(label, "zero-offload", opts.sub_group_size, None, result.ds_offload, base))
+        jobs.append(("zero-offload" + (f" ({note})" if note else ""), "zero-offload", zo, opts.sub_group_size, None,
+                     result.ds_offload))
     for k, rec in enumerate(result.top[:n]):
         sched = ScheduleConfig.model_validate(rec.schedule)
         offload = OffloadSettings(sub_group_size=rec.sub_group_size, pin_memory=False,
                                   schedule=sched.model_copy(update={"trace": True}))
-        res = runner("dostune", spec, opts, offload, progress)
-        if res.ran:
-            out.append(row(f"dostune #{k + 1}", "dostune", rec.sub_group_size, rec.schedule, rec.predicted, res))
-    return out
+        jobs.append((f"dostune #{k + 1}", "dostune", offload, rec.sub_group_size, rec.schedule, rec.predicted))
+    runs: dict[str, list[MethodResult]] = {job[0]: [] for job in jobs}
+    for r in range(rounds):
+        sink = RoundProgress(progress, f"round {r + 1}/{rounds}: ") if rounds > 1 else progress
+        for label, method, offload, *_ in (jobs if r % 2 == 0 else jobs[::-1]):
+            if runs[label] and not runs[label][-1].ran:  # failed once (out of memory, say): it would again
+                continue
+            runs[label].append(runner(method, spec, opts, offload, sink))
+    pooled = {label: pool_rounds(results) for label, results in runs.items()}
+    rows = [row(label, method, sgs, schedule, predicted, pooled[label])
+            for label, method, _, sgs, schedule, predicted in jobs if pooled[label].ran]
+    return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled))
