@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..optim.footprint import GRAD_BYTES, STATE_BYTES
+from ..optim.footprint import GRAD_BYTES, STATE_BYTES, cpu_lane_reach, half_ring_count
 from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fraction_for, make_plan
 from .backward import BackwardPrediction, dostune_backward
 from .coefficients import Coefficients, StepShape
@@ -183,6 +183,10 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     # step's thread count; during backward it runs with one thread fewer (ScheduleConfig.backward_cpu_threads) and
     # lane_backward_slowdown times the node's seconds at that count
     step_factor = shape.lane_step_slowdown if overlap else 1.0
+    # The CPU lane's results go up from a ring of pinned buffers; a buffer is written again only once its last upload
+    # has left, so the lane's n-th subgroup waits for upload n - ring, and those uploads queue behind the GPU lane's
+    # inputs. On the H100 a llama 2B step's CPU lane stood 40 ms until the GPU lane's last input was in.
+    ring = upload_ring(sizes, plan, overlap, sched.upload)
     bthreads = sched.backward_cpu_threads or max(1, (sched.cpu_threads or inp.default_threads) - 1)
     per = 10**8  # the thread counts' ratio per element at a subgroup's size
     in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_seconds(per, bthreads, "cpu_convert") \
@@ -195,10 +199,12 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         t = -bwd
         cpu_spans, up_spans = [], []
         free, free_bwd = gpu_h2d_done, -bwd
-        for j in cpu:
+        for n, j in enumerate(cpu):
             s = sizes[j]
             if overlap:
                 t = max(t, bwd * (ready_fraction[j] - 1.0))
+            if ring and n >= ring:
+                t = max(t, up_spans[n - ring].end)
             work = step_factor * inp.cpu_lane_seconds(s, threads, "cpu_convert" if overlap else sched.upload)
             end = _advance(t, work, slowdowns)
             cpu_spans.append(SimSpan("cpu", j, t, end))
@@ -225,6 +231,16 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
 
     return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
                           cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
+
+
+def upload_ring(sizes: Sequence[int], plan: Plan, overlap: bool, upload: str) -> Optional[int]:
+    """How many pinned buffers the CPU lane's uploads rotate through (None: it never waits for one): during backward
+    the optimizer's ring (footprint.half_ring_count), in the step two for cpu_convert; gpu_convert uploads the fp32
+    params themselves."""
+    if overlap:
+        reach = cpu_lane_reach(plan)
+        return half_ring_count(len(reach), max(sizes[i] for i in reach)) if reach else None
+    return 2 if upload == "cpu_convert" else None
 
 
 def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: bool = True,

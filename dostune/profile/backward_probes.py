@@ -150,29 +150,39 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
                 progress.advance()
 
         timed()  # warm-up: the first pass without copies
-        alone = [timed() for _ in range(repeats)]
-        no_copy = Stat.of([b - a for a, b in alone])
-        copied = None
+        scratch = None
         if pinned:
             params = [p for g in opt.fp16_groups for p in g]
             scratch = torch.empty(max(p.partition_numel() for p in params), dtype=params[0].dtype).pin_memory()
-            opt.partition_grads = copy_gradients_pinned(opt, scratch)
-            runs = [timed() for _ in range(repeats)]
-            opt.partition_grads = drop_gradient_copies(opt)
-            copied = PinnedCopyProfile(bytes=sum(p.partition_numel() for p in params) * scratch.element_size(),
-                                       backward_s=Stat.of([b - a for a, b in runs]))
-            del scratch
         try:
             lane = LaneLoad(lane_elements, lane_threads(), half)
         except (DostuneError, OSError) as e:
             notes.append(f"backward beside the CPU lane not measured ({str(e).splitlines()[0]}): the performance model "
                          "uses its documented fallbacks")
-            return no_copy, None, copied, notes
-        lane_alone = lane.alone(repeats)
-        windows, beside = [], []
+            lane = None
+        lane_alone = lane.alone(repeats) if lane is not None else None
+        # The probes take turns, pass by pass (no copies, page-locked copies, beside the lane; again): the model takes
+        # their differences, and on the H100 hosts a llama 2B backward without copies read 0.327 s in a block of five
+        # passes before the page-locked block read 0.223 s, a host that sped up between them, not copies that help.
+        alone, runs, windows = [], [], []
         for _ in range(repeats):
-            with lane:
-                windows.append(timed())
+            opt.partition_grads = drop_gradient_copies(opt)
+            alone.append(timed())
+            if scratch is not None:
+                opt.partition_grads = copy_gradients_pinned(opt, scratch)
+                runs.append(timed())
+                opt.partition_grads = drop_gradient_copies(opt)
+            if lane is not None:
+                with lane:
+                    windows.append(timed())
+        del scratch
+        no_copy = Stat.of([b - a for a, b in alone])
+        copied = None
+        if runs:
+            copied = PinnedCopyProfile(bytes=sum(p.partition_numel() for p in params) * params[0].element_size(),
+                                       backward_s=Stat.of([b - a for a, b in runs]))
+        if lane is None:
+            return no_copy, None, copied, notes
         beside = lane.within(windows)
         if not beside:
             notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
