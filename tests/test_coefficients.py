@@ -171,13 +171,16 @@ def test_shipped_node_profile_says_what_it_lacks():
     n = NodeInputs.from_profile(load_node_profile(shipped_profile()))
     assert n.d2h_pageable == n.h2d_pageable
     assert any("pageable device-to-host" in x and "re-profile the node" in x for x in n.notes)
+    assert n.h2d_under_cpu == 1.0 and any("while CPU Adam computes" in x and "re-profile the node" in x
+                                          for x in n.notes)
     data = json.loads(load_node_profile(shipped_profile()).model_dump_json())
-    data["schema_version"] = 3
+    data["schema_version"] = 4
     data["copies"]["d2h_pageable"] = json.loads(json.dumps(data["copies"]["h2d_pageable"]))
     data["copies"]["d2h_pageable"]["fit"]["rate_per_s"] = 7e9
+    data["contention"]["h2d_under_cpu"] = 0.85
     p = type(load_node_profile(shipped_profile())).model_validate(data)
     n = NodeInputs.from_profile(p)
-    assert n.d2h_pageable.rate == 7e9 and not n.notes
+    assert n.d2h_pageable.rate == 7e9 and n.h2d_under_cpu == 0.85 and not n.notes
 
 
 def test_backward_inputs_type():

@@ -196,3 +196,44 @@ def test_resident_subgroups_stream_nothing_by_hand():
     # resident states are held in every phase: 24 GB on top of backward's peak
     assert mem.peak_gpu_gib == pytest.approx(max(12.0 + 24e9 / 2**30, 2.0 + mem.extra_step_gib))
     assert mem.extra_step_gib - none.extra_step_gib == pytest.approx(24e9 / 2**30)
+
+
+def test_backward_gradient_copies_slow_the_lane_under_backward():
+    from dostune.perfmodel.model import gradient_copy_spans
+
+    n = node(contention=2.0)  # 2x slower under 80 GB/s of copies
+    # subgroup 1 final 10% into a 2 s backward, subgroup 0 at 60%: each one's bytes stream up to its moment
+    spans = gradient_copy_spans([40e9, 20e9], [0.6, 0.1], 2.0, n)
+    by = {x.subgroup: x for x in spans}
+    assert (by[1].start, by[1].end) == (pytest.approx(-2.0), pytest.approx(-1.8))  # from backward's start
+    assert (by[0].start, by[0].end) == (pytest.approx(-1.8), pytest.approx(-0.8))  # from the one before it
+    for x, nbytes in ((by[0], 40e9), (by[1], 20e9)):
+        assert x.gbps * 1e9 * (x.end - x.start) == pytest.approx(nbytes)
+    # never faster than the node's device-to-host rate (50 GB/s): 15 GB in the 0.2 s from 20% to 30% of backward would
+    # be 75 GB/s; they take 0.3 s instead, from earlier, but not from before backward's start
+    assert gradient_copy_spans([15e9, 0], [0.3, 0.2], 2.0, n)[0].start == pytest.approx(-1.7)
+    assert gradient_copy_spans([20e9, 0], [0.15, 0.1], 2.0, n)[0].start == pytest.approx(-2.0)
+    # in the step: the lane's first subgroup under those copies takes longer than without them
+    sizes = [1_000_000_000, 1_000_000_000]
+    sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
+    quiet = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[0.6, 0.1])
+    copied = simulate_step(sizes, sched, n, backward_s=2.0, ready_fraction=[0.6, 0.1], grad_bytes=[2e9, 2e9])
+    first = lambda p: next(x for x in p.spans if x.lane == "cpu" and x.subgroup == 1)  # noqa: E731
+    assert first(copied).end - first(copied).start > first(quiet).end - first(quiet).start
+    assert not [x for x in copied.spans if x.lane == "grad"]  # traffic only: not a lane of the step
+
+
+def test_host_to_device_copies_slow_under_the_cpu_lane():
+    sizes = [1_000_000_000] * 4
+    idle = node()
+    loaded = node().model_copy(update={"h2d_under_cpu": 0.8})
+
+    def gpu_inputs(p):
+        return sum(x.end - x.start for x in p.spans if x.lane == "h2d")
+
+    mixed = ScheduleConfig(gpu_fraction=0.5, staging_buffers=2, cpu_threads=16)
+    assert gpu_inputs(simulate_step(sizes, mixed, loaded)) == pytest.approx(
+        gpu_inputs(simulate_step(sizes, mixed, idle)) / 0.8)
+    # no CPU lane, nothing computing on the host: the copies run at the idle host's rates
+    gpu_only = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2)
+    assert simulate_step(sizes, gpu_only, loaded).lanes_s == pytest.approx(simulate_step(sizes, gpu_only, idle).lanes_s)

@@ -135,3 +135,16 @@ def test_written_files_get_the_usual_mode(tmp_path):
         record._file_mode.cache_clear()
     assert path.stat().st_mode & 0o777 == 0o644 and path.read_text() == "{}\n"
     assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left
+
+
+def test_rate_under_load_compares_the_chunks_inside_and_after_the_busy_window():
+    from dostune.profile.throughput import rate_under_load
+
+    # 1 ms chunks while the host computes in [0, 4 ms], 0.5 ms chunks after it
+    ends = [0.001, 0.002, 0.003, 0.004, 0.0045, 0.005, 0.0055]
+    assert rate_under_load(ends, 0.0, 0.004) == pytest.approx(0.5)
+    # a chunk straddling either edge counts for neither side
+    assert rate_under_load(ends, 0.0005, 0.004) == pytest.approx(0.5)
+    assert rate_under_load(ends, 0.0, 0.0042) == pytest.approx(0.5)
+    assert rate_under_load(ends, 0.0, 0.0053) is None  # fewer than two chunks after it
+    assert rate_under_load(ends, 0.0025, 0.004) is None  # fewer than two inside it

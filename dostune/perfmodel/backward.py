@@ -23,23 +23,29 @@ def zero_offload_grad_traffic(elements: int, grad_bytes: int) -> tuple[int, int]
     return elements * (grad_bytes + GRAD_BYTES), elements * grad_bytes
 
 
-def dostune_grad_traffic(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, grad_bytes: int,
-                         fp16: bool) -> int:
-    """Device-to-host bytes of dostune's gradient path in one backward (optim/grads.py): nothing copied back (the GPU
-    partition is handed on); a GPU-lane subgroup with grads_on_gpu keeps its gradients on the device (in fp16 the
-    overflow check still reads a host copy); a CPU-lane subgroup updated during backward is read from the host's
-    half-precision copy (``grad_bytes``); every other subgroup takes DeepSpeed's host copy and fp32 copy."""
+def dostune_grad_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, grad_bytes: int,
+                       fp16: bool) -> list[int]:
+    """Device-to-host bytes of dostune's gradient path in one backward (optim/grads.py), per subgroup: nothing copied
+    back (the GPU partition is handed on); a GPU-lane subgroup with grads_on_gpu keeps its gradients on the device (in
+    fp16 the overflow check still reads a host copy); a CPU-lane subgroup updated during backward is read from the
+    host's half-precision copy (``grad_bytes``); every other subgroup takes DeepSpeed's host copy and fp32 copy."""
     gpu = set(plan.gpu_subgroups)
     in_backward = set(plan.cpu_order) if sched.overlap_backward else set()
-    total = 0
+    out = []
     for i, s in enumerate(sizes):
         if i in gpu and sched.grads_on_gpu:
-            total += s * grad_bytes if fp16 else 0
+            out.append(s * grad_bytes if fp16 else 0)
         elif i in in_backward:
-            total += s * grad_bytes
+            out.append(s * grad_bytes)
         else:
-            total += s * (grad_bytes + GRAD_BYTES)
-    return total
+            out.append(s * (grad_bytes + GRAD_BYTES))
+    return out
+
+
+def dostune_grad_traffic(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, grad_bytes: int,
+                         fp16: bool) -> int:
+    """Device-to-host bytes of dostune's gradient path in one backward, all subgroups (``dostune_grad_bytes``)."""
+    return sum(dostune_grad_bytes(sizes, plan, sched, grad_bytes, fp16))
 
 
 def copy_seconds(node: NodeInputs, d2h_bytes: float, h2d_bytes: float, pinned: bool) -> float:

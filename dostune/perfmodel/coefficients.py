@@ -44,6 +44,9 @@ class StepShape:
     # node's rates and the same threads: during backward, and alone (its subgroups left to the step)
     lane_backward_slowdown: float = FALLBACK_LANE_BACKWARD_SLOWDOWN
     lane_step_slowdown: float = 1.0
+    # whether lane_backward_slowdown already holds backward's gradient copies to the host: the fallback does (timed in
+    # training), the model profile's probe does not (it drops the copies), and the model then adds them as traffic
+    lane_backward_with_copies: bool = True
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         missing.append(("the CPU lane beside backward", f"the CPU lane at {FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the "
                         "node profile's CPU-lane time"))
     return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane,
-                     lane_step_slowdown=alone)
+                     lane_step_slowdown=alone, lane_backward_with_copies=m.lane_beside_s_per_elem is None)
 
 
 def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int,

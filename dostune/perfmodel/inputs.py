@@ -30,6 +30,10 @@ class Cost(BaseModel):
     def t(self, size: float) -> float:
         return self.overhead_s + size / self.rate
 
+    def at_rate(self, factor: float) -> "Cost":
+        """The same cost with the rate ``factor`` times as high."""
+        return self if factor == 1.0 else Cost(overhead_s=self.overhead_s, rate=self.rate * factor)
+
 
 class NodeInputs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -51,6 +55,7 @@ class NodeInputs(BaseModel):
     ds_upload: Optional[Cost] = None  # DeepSpeed's own blocking fp32 -> half upload, when measured
     contention: float  # CPU Adam slowdown while PCIe DMA runs (>= 1) ...
     contention_gbps: float  # ... at this much combined H2D + D2H traffic
+    h2d_under_cpu: float = 1.0  # host-to-device copies' rate while CPU Adam computes, over their rate when it does not
     notes: tuple[str, ...] = ()  # what an older profile lacked and what stands in for it
 
     def threads_near(self, threads: int) -> int:
@@ -81,6 +86,11 @@ class NodeInputs(BaseModel):
         # memory-bound loops; fp32 -> half moves 6 bytes per element, the in-place unscale 8).
         unscale = Cost.of(p.unscale.fit) if p.unscale is not None else Cost.of(p.convert.cpu.fit, scale=6 / 8)
         notes = []
+        h2d_under_cpu = p.contention.h2d_under_cpu
+        if h2d_under_cpu is None:
+            notes.append(f"node profile '{p.name}' (schema {p.schema_version}) did not measure host-to-device copies "
+                         "while CPU Adam computes: the model takes them at their rate beside an idle CPU (re-profile "
+                         "the node with this dostune to measure them)")
         if c.d2h_pageable is None:
             notes.append(f"node profile '{p.name}' (schema {p.schema_version}) did not measure pageable device-to-host "
                          "copies: ZeRO-Offload's gradient copies without pin_memory are taken at its pageable "
@@ -93,7 +103,8 @@ class NodeInputs(BaseModel):
                    gpu_adam=Cost.of(p.gpu_adam.fit), convert_cpu=Cost.of(p.convert.cpu.fit),
                    convert_gpu=Cost.of(p.convert.gpu.fit), unscale_cpu=unscale,
                    ds_upload=Cost.of(p.ds_upload.fit) if p.ds_upload is not None else None,
-                   contention=max(1.0, p.contention.slowdown), contention_gbps=2 * p.contention.dma_gbps_during)
+                   contention=max(1.0, p.contention.slowdown), contention_gbps=2 * p.contention.dma_gbps_during,
+                   h2d_under_cpu=min(1.0, h2d_under_cpu) if h2d_under_cpu is not None else 1.0)
 
 
 def timed_backward(m: ModelProfile) -> float:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from ..optim.footprint import GRAD_BYTES, STATE_BYTES, cpu_lane_reach, half_ring_count
 from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fraction_for, make_plan
-from .backward import BackwardPrediction, dostune_backward
+from .backward import BackwardPrediction, dostune_backward, dostune_grad_bytes
 from .coefficients import Coefficients, StepShape
 from .inputs import ModelInputs, NodeInputs
 from .memory import MemoryPrediction, predict_memory
@@ -26,7 +26,7 @@ BACKWARD_PASSES = 6
 
 @dataclass
 class SimSpan:
-    lane: str  # cpu, h2d, gpu, d2h, up
+    lane: str  # cpu, h2d, gpu, d2h, up; grad: backward's gradient copies to the host (before 0)
     subgroup: int
     start: float
     end: float
@@ -82,7 +82,7 @@ def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[f
     taken to scale linearly with the traffic actually running."""
     edges = []
     for x in spans:
-        if x.lane in ("h2d", "d2h", "up") and x.end > x.start:
+        if x.lane in ("h2d", "d2h", "up", "grad") and x.end > x.start:
             edges += [(x.start, x.gbps), (x.end, -x.gbps)]
     edges.sort()
     out, level, prev = [], 0.0, None
@@ -117,7 +117,7 @@ def _compose(*segment_lists: Sequence[tuple[float, float, float]]) -> list[tuple
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
                   iterations: int = 4, backward_s: Optional[float] = None,
                   ready_fraction: Optional[Sequence[float]] = None, plan: Optional[Plan] = None,
-                  shape: StepShape = StepShape()) -> StepPrediction:
+                  shape: StepShape = StepShape(), grad_bytes: Optional[Sequence[int]] = None) -> StepPrediction:
     """The step of ``sched`` over subgroups of ``sizes``, run as the optimizer runs ``plan`` (its lanes, order and
     staging chain; ``make_plan``'s by default).
 
@@ -125,7 +125,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     backward each subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
     (times before 0 are during backward, where it runs with its backward thread count, ``lane_backward_slowdown``
     times slower than at the node's rates), produces half precision itself and uploads 2 bytes per element; only
-    what is left at 0 adds to the step.
+    what is left at 0 adds to the step. Backward's gradient copies to the host (``grad_bytes`` per subgroup,
+    backward.py) slow the lane there as the step's copies do: each subgroup's bytes stream in the stretch of backward
+    that finalises its gradients (``gradient_copy_spans``).
 
     Time 0 is where DeepSpeed's step prologue ends (``prologue_share`` of ``overhead_s``); the states of the
     GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it, and the
@@ -141,6 +143,11 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     up_bytes = 4 if sched.upload == "gpu_convert" else 2
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
+    # Host-to-device copies read host memory, which the CPU lane streams through while it computes: with a CPU lane
+    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on the H100 hosts a step's GPU-lane
+    # inputs came in at 37-42 GB/s against 45 measured beside an idle CPU.
+    under_cpu = inp.h2d_under_cpu if cpu else 1.0
+    h2d_alone, h2d_duplex = inp.h2d.at_rate(under_cpu), inp.h2d_duplex.at_rate(under_cpu)
     bwd = backward_s if overlap else 0.0
     prologue = shape.prologue_share * overhead_s
     release = min(shape.release_share, shape.prologue_share) * overhead_s
@@ -155,11 +162,11 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     h2d_free = -prologue
     d2h_end: list[float] = []
     streamed = [gs.subgroup for gs in plan.gpu_slots]
-    for k, i in enumerate(streamed):
+    for n, i in enumerate(streamed):
         s = sizes[i]
-        ready = d2h_end[k - nbuf] if k >= nbuf else -prologue
+        ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
         start = max(h2d_free, ready, -prologue)
-        rate = inp.h2d_duplex if k > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
+        rate = h2d_duplex if n > 0 else h2d_alone  # the previous subgroup's write-back runs alongside
         end = start + rate.t(in_bytes * s)
         if end > start:
             spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
@@ -168,7 +175,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         comp_free = c0 + inp.gpu_adam.t(s)
         spans.append(SimSpan("gpu", i, c0, comp_free))
         d0 = max(comp_free, d2h_free)
-        last = k == len(streamed) - 1
+        last = n == len(streamed) - 1
         rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
         d2h_free = d0 + rate.t(STATE_BYTES * s)
         d2h_end.append(d2h_free)
@@ -192,7 +199,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_seconds(per, bthreads, "cpu_convert") \
         / inp.cpu_lane_seconds(per, threads, "cpu_convert")
     bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
-    slowdowns = _compose(bwd_segment, _dma_segments(spans, inp))
+    grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if overlap and grad_bytes else []
+    slowdowns = _compose(bwd_segment, _dma_segments(spans + grad_spans, inp))
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
     for _ in range(max(1, iterations)):
@@ -211,17 +219,17 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             t = end
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
                 u0 = max(free_bwd, end)
-                u1 = u0 + inp.h2d.t(up_bytes * s)
+                u1 = u0 + h2d_alone.t(up_bytes * s)
                 free_bwd = u1
                 up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9))
                 continue
             u0 = max(free, end)
-            rate = inp.h2d_duplex if u0 < d2h_free else inp.h2d
+            rate = h2d_duplex if u0 < d2h_free else h2d_alone
             copy = rate.t(up_bytes * s)
             u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
             up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
             free = u1
-        slowdowns = _compose(bwd_segment, _dma_segments(spans + up_spans, inp))
+        slowdowns = _compose(bwd_segment, _dma_segments(spans + grad_spans + up_spans, inp))
     spans = spans + cpu_spans + up_spans
     lanes_s = max(0.0, max((x.end for x in spans), default=0.0))
 
@@ -231,6 +239,25 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
 
     return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
                           cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
+
+
+def gradient_copy_spans(grad_bytes: Sequence[int], ready_fraction: Sequence[float], backward_s: float,
+                        inp: NodeInputs) -> list[SimSpan]:
+    """Backward's gradient copies to the host as traffic spans before 0: a subgroup's bytes stream between the moment
+    the subgroup finalised before it did (backward's start for the first) and its own, never faster than the node's
+    device-to-host rate. On the H100 host dostune's CPU-lane kernel ran 1.37x slower beside a device-to-host stream
+    than alone (docs/experiments.md), and backward's copies are that stream."""
+    order = sorted(range(len(grad_bytes)), key=lambda j: ready_fraction[j])
+    spans, prev = [], 0.0
+    for j in order:
+        ready = min(1.0, max(0.0, ready_fraction[j]))
+        if grad_bytes[j] > 0:
+            end = backward_s * (ready - 1.0)
+            start = max(-backward_s, min(backward_s * (prev - 1.0), end - inp.d2h.t(grad_bytes[j])))
+            if end > start:
+                spans.append(SimSpan("grad", j, start, end, grad_bytes[j] / (end - start) / 1e9))
+        prev = max(prev, ready)
+    return spans
 
 
 def upload_ring(sizes: Sequence[int], plan: Plan, overlap: bool, upload: str) -> Optional[int]:
@@ -261,7 +288,7 @@ def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: b
     c = inp.cpu_lane_seconds(total, threads, upload) / total
     b_in = STATE_BYTES + (0 if grads_on_gpu else GRAD_BYTES)
     b_up = 4 if upload == "gpu_convert" else 2
-    h2d, d2h = inp.h2d_duplex.rate, inp.d2h_duplex.rate
+    h2d, d2h = inp.h2d_duplex.rate * inp.h2d_under_cpu, inp.d2h_duplex.rate  # the CPU lane computes throughout
     k = inp.contention
     f = 0.0
     for _ in range(max(1, iterations)):
@@ -321,9 +348,14 @@ def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, co
     plan = make_plan(len(sizes), sched)
     node = coeffs.node
 
+    b = coeffs.backward
+    grad_bytes = None  # backward's gradient copies, as traffic beside the CPU lane where its rate leaves them out
+    if b is not None and not coeffs.shape.lane_backward_with_copies:
+        grad_bytes = dostune_grad_bytes(sizes, plan, sched, b.grad_bytes, b.fp16)
+
     def step_with(bwd_s: Optional[float]) -> StepPrediction:
         return simulate_step(sizes, sched, node, coeffs.overhead_s, backward_s=bwd_s, ready_fraction=grad_ready,
-                             plan=plan, shape=coeffs.shape)
+                             plan=plan, shape=coeffs.shape, grad_bytes=grad_bytes)
 
     backward = None
     if coeffs.backward is not None:

@@ -19,10 +19,10 @@ from ..records import Record, load_record
 from ..stats import Stat, linear_fit
 
 # 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
-# 3: copies.d2h_pageable. Older profiles still load: the new fields take their defaults (the performance model says
-# what it uses instead).
-NODE_SCHEMA_VERSION = 3
-NODE_READABLE_VERSIONS = (1, 2, 3)
+# 3: copies.d2h_pageable. 4: contention.h2d_under_cpu. Older profiles still load: the new fields take their defaults
+# (the performance model says what it uses instead).
+NODE_SCHEMA_VERSION = 4
+NODE_READABLE_VERSIONS = (1, 2, 3, 4)
 NODE_KIND = "dostune.node-profile"
 
 
@@ -150,7 +150,8 @@ class ConvertProfile(Record):
 
 
 class ContentionProfile(Record):
-    """CPU Adam time alone and while both PCIe directions stream pinned memory."""
+    """CPU Adam time alone and while both PCIe directions stream pinned memory, and how the host-to-device copies ran
+    while it computed."""
 
     elements: int
     threads: int
@@ -158,6 +159,9 @@ class ContentionProfile(Record):
     with_dma_s: Stat
     dma_gbps_during: float  # per direction, all GPUs together
     gpus: int = 1  # how many GPUs streamed at once
+    # host-to-device rate of the copies that ran while CPU Adam computed, over that of the ones after it (same stream,
+    # same window): the copies read host memory that CPU Adam is streaming through. None: not measured (schema < 4)
+    h2d_under_cpu: Optional[float] = None
 
     @property
     def slowdown(self) -> float:

@@ -160,11 +160,25 @@ def measure_unscale(sizes: Sequence[int], repeats: int, threads: int,
             lambda: g[:n].mul_(inv), repeats, progress=progress)) for n in sizes])
 
 
+def rate_under_load(chunk_ends: Sequence[float], busy_from: float, busy_to: float) -> Optional[float]:
+    """Equal chunks copied back to back from time 0, given their end times: the rate of the chunks that ran entirely
+    within [busy_from, busy_to] (while the host computed) over the rate of those that ran entirely after it. None
+    with fewer than two of either."""
+    starts = [0.0, *chunk_ends[:-1]]
+    during = [e - s for s, e in zip(starts, chunk_ends) if s >= busy_from and e <= busy_to]
+    after = [e - s for s, e in zip(starts, chunk_ends) if s >= busy_to]
+    if len(during) < 2 or len(after) < 2:
+        return None
+    return (len(during) / sum(during)) / (len(after) / sum(after))
+
+
 def measure_contention(elements: int, threads: int, repeats: int, device: int = 0,
                        chunk_bytes: int = 256 << 20, progress: Optional[ProgressSink] = None,
                        devices: Optional[Sequence[int]] = None) -> ContentionProfile:
     """CPU Adam alone, then with both PCIe directions streaming pinned memory underneath it, on ``device`` or on
-    every GPU of ``devices`` at once (the traffic the ranks of one node make together).
+    every GPU of ``devices`` at once (the traffic the ranks of one node make together). The copies outlast the step,
+    so the same window also shows the host-to-device copies slowed by CPU Adam (``h2d_under_cpu``): both stream
+    through host memory.
 
     DeepSpeedCPUAdam holds the GIL, so no Python thread could feed copies during its step: enough
     copies to outlast the step are queued on two streams per GPU first, and the DMA engines run them while
@@ -181,39 +195,51 @@ def measure_contention(elements: int, threads: int, repeats: int, device: int = 
                 torch.empty(chunk_bytes, dtype=torch.uint8, device=dev),
                 torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev))
 
+    def timing_event():
+        return torch.cuda.Event(enable_timing=True)
+
     bufs = [buffers(dev) for dev in devs]
     try:
         with _threads(threads):
             alone = time_cpu(bench.step, repeats, progress=progress)
             # Queue copies for ~3x the step, at a generous 60 GB/s per direction.
             n_chunks = max(4, int(3 * alone.median * 60e9 / chunk_bytes))
-            samples, rates = [], []
+            samples, rates, ratios = [], [], []
             for _ in range(repeats):
-                events = []
+                queued = []  # per GPU: host time its copies were queued from, start event, each H2D chunk's end event
                 for dev, host_up, host_down, dev_up, dev_down, up, down in bufs:
                     torch.cuda.synchronize(dev)
-                    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start_ev, ends = timing_event(), []
                     with torch.cuda.device(dev):
+                        t_queue = time.perf_counter()
                         start_ev.record(up)
                         for _ in range(n_chunks):
                             with torch.cuda.stream(up):
                                 dev_up.copy_(host_up, non_blocking=True)
+                                ends.append(timing_event())
+                                ends[-1].record(up)
                             with torch.cuda.stream(down):
                                 host_down.copy_(dev_down, non_blocking=True)
-                        end_ev.record(up)
-                    events.append((start_ev, end_ev))
+                    queued.append((t_queue, start_ev, ends))
                 time.sleep(0.002)  # let the DMA engines get going before the CPU step starts
                 t0 = time.perf_counter()
                 bench.step()
-                samples.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                samples.append(t1 - t0)
                 for dev, *_ in bufs:
                     torch.cuda.synchronize(dev)
                 # per direction, every GPU's H2D rate added up
-                rates.append(sum(n_chunks * chunk_bytes / (s.elapsed_time(e) / 1e3) / 1e9 for s, e in events))
+                rates.append(sum(n_chunks * chunk_bytes / (s.elapsed_time(ends[-1]) / 1e3) / 1e9
+                                 for _, s, ends in queued))
+                for t_queue, s, ends in queued:  # the GPU starts the copies as they are queued (it was idle)
+                    r = rate_under_load([s.elapsed_time(e) / 1e3 for e in ends], t0 - t_queue, t1 - t_queue)
+                    if r is not None:
+                        ratios.append(r)
                 progress.advance()
     finally:
         bench.close()
         del bufs
         torch.cuda.empty_cache()
     return ContentionProfile(elements=elements, threads=threads, alone_s=alone, with_dma_s=Stat.of(samples),
-                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2), gpus=len(devs))
+                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2), gpus=len(devs),
+                             h2d_under_cpu=round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None)
