@@ -300,3 +300,14 @@ def test_a_node_with_two_gpus_is_measured_together():
     assert set(p.cpu_adam.concurrent) == {2} and p.contention.gpus == 2
     rank, _ = rank_inputs(p, World(1, 2))
     assert rank.h2d.rate == pytest.approx(mg.copies.h2d.fit.rate_per_s)
+
+
+def test_the_auto_host_budget_leaves_the_optimizers_margin_and_each_processes_own():
+    from dostune.optim.footprint import HOST_USABLE_SHARE
+    from dostune.perfmodel.world import host_memory_gib
+    from dostune.tune.world import host_budget
+
+    p = load_node_profile(shipped_profile())
+    assert host_budget("auto", p, 2) == pytest.approx(HOST_USABLE_SHARE * host_memory_gib(p) - 4.0)
+    assert host_budget("auto", p, 1) > host_budget("auto", p, 2)
+    assert host_budget("100", p, 2) == 100.0  # a budget given in GiB is taken as it is

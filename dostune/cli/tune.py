@@ -133,7 +133,8 @@ def tune(
     hostfile: Optional[Path] = typer.Option(None, help="DeepSpeed's hostfile ('HOST slots=N' per node): tune for the "
                                             "world it describes (its hosts, N GPUs each); every host must resolve."),
     host_memory_budget: str = typer.Option("auto", help="Pinned host memory that the ranks of one node may hold "
-                                           "together, GiB; 'auto' = what the node profile found available."),
+                                           "together, GiB; 'auto' = 95% of what the node profile found "
+                                           "available, less 2 GiB per rank for the processes themselves."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="The emitted config "
                                                   "checkpoints every transformer block (DeepSpeed's "
                                                   "activation_checkpointing section); profile the model with it too."),

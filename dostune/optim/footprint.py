@@ -26,6 +26,9 @@ HALF_BYTES = 2  # a bf16/fp16 param per element
 # The process itself before any engine: CUDA context, torch, DeepSpeed and their libraries (RSS ~1.0 GiB on the H100
 # host after building llama-7b's partitioned model), with room for the allocator's own overhead.
 HOST_BASE_BYTES = 2 * 2**30
+# The share of the host memory available at start-up that the optimizer may take (check_host_fits), and the tuner's
+# "auto" host budget with it: the rest stays for the page cache and what else the host runs.
+HOST_USABLE_SHARE = 0.95
 # The CPU lane during backward uploads its half-precision results from a ring of pinned buffers. The uploads of the
 # subgroups left to the step queue behind the GPU lane's copies in: with only two buffers the worker waited for them
 # (the H100 timeline of results/h100/nt-gpt2-1.3b: CPU Adam idle 38 ms), so the ring has as many as fit in this.
@@ -180,7 +183,7 @@ def check_host_fits(opt, schedule: ScheduleConfig, available: Optional[int] = No
     states = 8 * sum(missing)
     lanes = lane_buffer_bytes(sizes, plan, schedule)
     need = states + lanes
-    if need > 0.95 * available:
+    if need > HOST_USABLE_SHARE * available:
         parts = [f"Adam states {states / 2**30:.1f}"] if states else []
         if lanes:
             parts.append(f"the lanes' buffers {lanes / 2**30:.1f}" + (

@@ -144,7 +144,7 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
     peak_limit = None
     if opts.max_peak_increase is not None and m.offload_peak_gib is not None:
         peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
-    host = host_budget(opts.host_memory_budget, node_p)
+    host = host_budget(opts.host_memory_budget, node_p, world.gpus_per_node)
     space = Space(node, m, numels, None, peak_limit, world=world, profile_subgroups=prof_sub, host_budget_gib=host)
     # the least any offloaded schedule pins (fp32 params, Adam states and gradients of the partition, nothing else)
     least = space.node_pinned_gib(space.predict_schedule(space.sub_group_sizes[-1], ScheduleConfig(gpu_fraction=0.0)))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DostuneError, ProfileError
+from ..optim.footprint import HOST_BASE_BYTES, HOST_USABLE_SHARE
 from ..perfmodel.world import World, host_memory_gib, world_of_hostfile
 from ..profile.model_record import ModelProfile
 from ..profile.record import NodeProfile
@@ -78,10 +79,13 @@ def check_node_gpus(node: NodeProfile, node_path: Path, world: World) -> None:
                            hint="tune for at most that many GPUs per node, or profile a node that has them")
 
 
-def host_budget(text: str, node: NodeProfile) -> float:
-    """--host-memory-budget: 'auto' (what the node profile found available) or GiB."""
+def host_budget(text: str, node: NodeProfile, ranks: int = 1) -> float:
+    """--host-memory-budget: GiB, or 'auto': what the node profile found available, less what the optimizer leaves
+    free at start-up (footprint.HOST_USABLE_SHARE) and each of the node's ``ranks`` processes' own (HOST_BASE_BYTES).
+    Taking it whole, the tuner picked a llama 4.5B schedule that pinned 125.0 of 125.0 GiB, which the optimizer then
+    refused at start-up (82.9 GiB more needed, 81.2 available)."""
     if text == "auto":
-        return host_memory_gib(node)
+        return HOST_USABLE_SHARE * host_memory_gib(node) - ranks * HOST_BASE_BYTES / 2**30
     try:
         value = float(text)
     except ValueError:
