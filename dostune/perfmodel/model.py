@@ -144,8 +144,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
     # Host-to-device copies read host memory, which the CPU lane streams through while it computes: with a CPU lane
-    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on the H100 hosts a step's GPU-lane
-    # inputs came in at 37-42 GB/s against 45 measured beside an idle CPU.
+    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on two H100 hosts a step's GPU-lane
+    # inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU.
     under_cpu = inp.h2d_under_cpu if cpu else 1.0
     h2d_alone, h2d_duplex = inp.h2d.at_rate(under_cpu), inp.h2d_duplex.at_rate(under_cpu)
     bwd = backward_s if overlap else 0.0
