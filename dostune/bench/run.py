@@ -348,8 +348,9 @@ def gpu_name() -> Optional[str]:
     return torch.cuda.get_device_name()
 
 
-def node_label(opts: BenchOptions) -> str:
-    return opts.node or gpu_name() or f"cpu-{os.cpu_count()}c"
+def node_label(opts: BenchOptions, gpu: Optional[str] = None) -> str:
+    """--node, else the GPU's name (``gpu`` where the caller has read it), else the host's cores."""
+    return opts.node or gpu or gpu_name() or f"cpu-{os.cpu_count()}c"
 
 
 def bench_record(opts: BenchOptions, params: int, methods: dict[str, MethodResult], created: Optional[str] = None,
@@ -359,7 +360,7 @@ def bench_record(opts: BenchOptions, params: int, methods: dict[str, MethodResul
     return BenchResult(
         created=created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         command=command or invocation(), dostune_version=__version__, deepspeed_version=deepspeed_version(),
-        torch_version=torch.__version__, node=opts.node or (gpu or f"cpu-{os.cpu_count()}c"), gpu=gpu,
+        torch_version=torch.__version__, node=node_label(opts, gpu), gpu=gpu,
         model=opts.model, params=params, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
         clip=opts.clip, warmup=opts.warmup, iters=opts.iters, rounds=opts.rounds, seed=opts.seed,
         world_size=world.size, nodes=world.nodes, methods=methods)

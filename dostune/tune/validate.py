@@ -59,7 +59,8 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
     ``rounds`` rounds (the order reversed every other round). ``runner``: how a method is measured (default:
     ``dostune bench``'s, which needs a CUDA GPU)."""
     if rounds < 1 or iters < 1 or warmup < 0:
-        raise DostuneError(f"validation needs at least 1 round and 1 iteration, got {rounds} and {iters}",
+        raise DostuneError(f"validation needs at least 1 round, 1 iteration and no negative warm-up, got {rounds}, "
+                           f"{iters} and {warmup}",
                            hint="see dostune tune --help")
     if runner is None:
         if not cuda_available():
