@@ -1,11 +1,12 @@
 """Decoder shapes that dostune's performance model was validated on without having seen them: no profile, bench or
 coefficient in this repository came from them before their `dostune tune --validate` runs (docs/performance-model.md,
-"Validating"). Both families, with widths, depths and attention layouts none of the presets has, in two sets of four:
+"Validating"). Both families, with widths, depths and attention layouts none of the presets has, in sets of four:
 
 * the first (gpt2_0_9b, llama_2b, gpt2_3_6b, llama_6b; results/h100/heldout/): their traces then showed what the
   model missed, so they are no longer unseen;
 * the second (gpt2_0_8b, llama_1_3b, gpt2_2_9b, llama_4_5b; results/h100/heldout-2/), first run after the model
-  learned from the first.
+  learned from the first; looked at since, so no longer unseen either;
+* the third (llama_0_8b, gpt2_1_7b, gpt2_2_4b, llama_3_8b; results/h100/heldout-3/), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -29,6 +30,13 @@ SHAPES = {
                                 kv_heads=6),
     "llama_4_5b": DecoderConfig("llama", layers=32, hidden=3584, heads=28, vocab=32000, max_positions=4096, ffn=9728,
                                 kv_heads=4),
+    # the third set
+    "llama_0_8b": DecoderConfig("llama", layers=18, hidden=1920, heads=15, vocab=32000, max_positions=2048, ffn=5120,
+                                kv_heads=5),
+    "gpt2_1_7b": DecoderConfig("gpt2", layers=26, hidden=2240, heads=20, vocab=50304, max_positions=1024),
+    "gpt2_2_4b": DecoderConfig("gpt2", layers=28, hidden=2624, heads=41, vocab=50304, max_positions=1024),
+    "llama_3_8b": DecoderConfig("llama", layers=32, hidden=3328, heads=26, vocab=32000, max_positions=4096, ffn=8960,
+                                kv_heads=2),
 }
 
 
@@ -48,3 +56,7 @@ gpt2_0_8b = _factory(SHAPES["gpt2_0_8b"])
 gpt2_2_9b = _factory(SHAPES["gpt2_2_9b"])
 llama_1_3b = _factory(SHAPES["llama_1_3b"])
 llama_4_5b = _factory(SHAPES["llama_4_5b"])
+llama_0_8b = _factory(SHAPES["llama_0_8b"])
+gpt2_1_7b = _factory(SHAPES["gpt2_1_7b"])
+gpt2_2_4b = _factory(SHAPES["gpt2_2_4b"])
+llama_3_8b = _factory(SHAPES["llama_3_8b"])
