@@ -115,6 +115,16 @@ def test_measured_step_shape_and_lane_speed():
     assert s.lane_backward_slowdown == pytest.approx(1.2) and s.lane_step_slowdown == pytest.approx(0.8)
 
 
+def test_the_lane_beside_backward_is_never_faster_than_alone():
+    # the probe read the lane beside backward faster than alone (back-to-back updates of one hot subgroup); training
+    # ran it slower: the model takes the alone rate there
+    n = node()
+    composed = 1 / 20e9 + 1 / 4e9 + 1 / 10e9
+    m = model(lane_threads=16, lane_beside_s_per_elem=0.7 * composed, lane_alone_s_per_elem=0.8 * composed)
+    s = Coefficients.of(n, m, SIZES).shape
+    assert s.lane_backward_slowdown == pytest.approx(0.8) and s.lane_step_slowdown == pytest.approx(0.8)
+
+
 def test_cpu_adam_and_unscale_at_the_rates_the_engine_ran_them():
     n = node()
     adam = series([(10**8, 10**8 / 4e9 * 1.25), (2 * 10**8, 2 * 10**8 / 4e9 * 1.25)])
