@@ -6,7 +6,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   model missed, so they are no longer unseen;
 * the second (gpt2_0_8b, llama_1_3b, gpt2_2_9b, llama_4_5b; results/h100/heldout-2/), first run after the model
   learned from the first; looked at since, so no longer unseen either;
-* the third (llama_0_8b, gpt2_1_7b, gpt2_2_4b, llama_3_8b; results/h100/heldout-3/), added before any run of them.
+* the third (llama_0_8b, gpt2_1_7b, gpt2_2_4b, llama_3_8b; results/h100/heldout-3/), added before any run of them;
+  their traces then showed the CPU lane slower beside backward than its probe, so they are seen now too;
+* the fourth (gpt2_1_1b, llama_1_5b, ...), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -37,6 +39,10 @@ SHAPES = {
     "gpt2_2_4b": DecoderConfig("gpt2", layers=28, hidden=2624, heads=41, vocab=50304, max_positions=1024),
     "llama_3_8b": DecoderConfig("llama", layers=32, hidden=3328, heads=26, vocab=32000, max_positions=4096, ffn=8960,
                                 kv_heads=2),
+    # the fourth set
+    "gpt2_1_1b": DecoderConfig("gpt2", layers=22, hidden=1984, heads=31, vocab=50304, max_positions=1024),
+    "llama_1_5b": DecoderConfig("llama", layers=22, hidden=2432, heads=19, vocab=32000, max_positions=2048, ffn=6528,
+                                kv_heads=1),
 }
 
 
@@ -60,3 +66,5 @@ llama_0_8b = _factory(SHAPES["llama_0_8b"])
 gpt2_1_7b = _factory(SHAPES["gpt2_1_7b"])
 gpt2_2_4b = _factory(SHAPES["gpt2_2_4b"])
 llama_3_8b = _factory(SHAPES["llama_3_8b"])
+gpt2_1_1b = _factory(SHAPES["gpt2_1_1b"])
+llama_1_5b = _factory(SHAPES["llama_1_5b"])
