@@ -122,10 +122,12 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         alone = m.lane_alone_s_per_elem / composed if m.lane_alone_s_per_elem else 1.0
         # Beside backward the lane is taken no faster than alone. The probe's updates run back to back on one scratch
         # subgroup in a thread that never waits; in training the lane updates each subgroup once, as its gradients
-        # arrive. Over 30 traced H100 rows of 12 unseen models the lane ran in backward 1.07-1.90x slower than the
+        # arrive. Over 30 traced H100 rows of 12 held-out models the lane ran in backward 1.07-1.90x slower than the
         # probe's rate beside it (median 1.36x), at or below its alone rate in 26, and the probe read beside faster
         # than alone in 11 of the 12 profiles (docs/experiments.md, section 14).
-        lane = max(m.lane_beside_s_per_elem / composed, alone)
+        lane = m.lane_beside_s_per_elem / composed
+        if m.lane_alone_s_per_elem:
+            lane = max(lane, alone)
     elif m.profile_schema is not None:
         missing.append(("the CPU lane beside backward", f"the CPU lane at {FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the "
                         "node profile's CPU-lane time"))
