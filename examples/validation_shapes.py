@@ -54,17 +54,5 @@ def _factory(cfg: DecoderConfig):
     return build
 
 
-gpt2_0_9b = _factory(SHAPES["gpt2_0_9b"])
-gpt2_3_6b = _factory(SHAPES["gpt2_3_6b"])
-llama_2b = _factory(SHAPES["llama_2b"])
-llama_6b = _factory(SHAPES["llama_6b"])
-gpt2_0_8b = _factory(SHAPES["gpt2_0_8b"])
-gpt2_2_9b = _factory(SHAPES["gpt2_2_9b"])
-llama_1_3b = _factory(SHAPES["llama_1_3b"])
-llama_4_5b = _factory(SHAPES["llama_4_5b"])
-llama_0_8b = _factory(SHAPES["llama_0_8b"])
-gpt2_1_7b = _factory(SHAPES["gpt2_1_7b"])
-gpt2_2_4b = _factory(SHAPES["gpt2_2_4b"])
-llama_3_8b = _factory(SHAPES["llama_3_8b"])
-gpt2_1_1b = _factory(SHAPES["gpt2_1_1b"])
-llama_1_5b = _factory(SHAPES["llama_1_5b"])
+# one factory per shape, named as its key (``--model examples.validation_shapes:NAME``)
+globals().update({name: _factory(cfg) for name, cfg in SHAPES.items()})
