@@ -8,7 +8,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   learned from the first; looked at since, so no longer unseen either;
 * the third (llama_0_8b, gpt2_1_7b, gpt2_2_4b, llama_3_8b; results/h100/heldout-3/), added before any run of them;
   their traces then showed the CPU lane slower beside backward than its probe, so they are seen now too;
-* the fourth (gpt2_1_1b, llama_1_5b, ...), added before any run of them.
+* the fourth (gpt2_1_1b, llama_1_5b, gpt2_3_3b, llama_3_0b), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -43,6 +43,9 @@ SHAPES = {
     "gpt2_1_1b": DecoderConfig("gpt2", layers=22, hidden=1984, heads=31, vocab=50304, max_positions=1024),
     "llama_1_5b": DecoderConfig("llama", layers=22, hidden=2432, heads=19, vocab=32000, max_positions=2048, ffn=6528,
                                 kv_heads=1),
+    "gpt2_3_3b": DecoderConfig("gpt2", layers=30, hidden=2944, heads=23, vocab=50304, max_positions=1024),
+    "llama_3_0b": DecoderConfig("llama", layers=26, hidden=3200, heads=25, vocab=32000, max_positions=4096, ffn=8640,
+                                kv_heads=5),
 }
 
 
