@@ -142,4 +142,36 @@ def test_figure_record_and_report(tuned, tmp_path):
                                                           ("other", "dostune"), ("other", "zero-offload")]
     assert code == (0 if all(r["ok"] for r in rows) else 1)
     assert not rows[3]["ok"] and "| other | 1.31B | zero-offload | 1 |" in text and "| NO |" in text
+    # the host's drift: ZeRO-Offload measured (x1.0, x1.05, x1.1 per phase here) over the profile's measurement of it
+    zo = res.ds_offload
+    drift = (0.13 + 0.25 * 1.05 + 1.254) / zo.iter_s
+    assert again.host_drift("step") == pytest.approx(1.254 / zo.step_s)
+    assert again.host_drift() == pytest.approx(drift) and rows[0]["drift"] == rows[1]["drift"] == again.host_drift()
+    assert f"| yes | {drift:.2f}x |" in text
+    no_zo = again.model_copy(update={"validation": [v for v in again.validation if v.method == "dostune"]})
+    assert no_zo.host_drift() is None
     assert validation_report.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_tune_validate_prints_the_errors_and_the_hosts_drift(tuned, tmp_path, monkeypatch):
+    """The command's lines after a validation, with the measurements made up (FakeBench: ZeRO-Offload's step 1.5x
+    its profiled one) where no GPU is."""
+    from typer.testing import CliRunner
+
+    import dostune.tune.validate as validate_module
+    from dostune.cli.app import app
+
+    real = validate_module.validate
+    monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
+    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
+        res, n, **kw, runner=FakeBench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
+    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", "1",
+                                 "--validate-rounds", "1"])
+    assert r.exit_code == 0, r.output
+    res = TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    assert [v.method for v in res.validation] == ["zero-offload", "dostune"]
+    out = " ".join(r.output.split())
+    assert f"zero-offload: median prediction error, iteration {res.median_error('iter', 'zero-offload'):.1%}" in out
+    assert (f"host drift since the model profile: ZeRO-Offload ran {res.host_drift():.2f}x its profiled iteration "
+            f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size") in out
+    assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()

@@ -138,3 +138,13 @@ class TuneResult(Record):
     def median_error(self, phase: str, method: Optional[str] = None) -> Optional[float]:
         """The median relative error of ``phase`` over the validated rows (of one ``method``, or all)."""
         return median(v.error(phase) for v in self.validation if method is None or v.method == method)
+
+    def host_drift(self, phase: str = "iter") -> Optional[float]:
+        """ZeRO-Offload's validated ``phase`` over its prediction (None without that row). Its prediction is the
+        model profile's own measurement of it (the step at the profile's sub_group_size, which validation runs), so
+        this is how far the host's speed moved between the profile and the validation, in two processes: every
+        row's error holds a move of that size, whatever the model."""
+        zo = next((v for v in self.validation if v.method == "zero-offload"), None)
+        if zo is None or not zo.predicted(phase) or zo.measured(phase) is None:
+            return None
+        return zo.measured(phase) / zo.predicted(phase)
