@@ -153,9 +153,8 @@ def test_figure_record_and_report(tuned, tmp_path):
     assert validation_report.main([str(tmp_path / "missing.json")]) == 2
 
 
-def test_tune_validate_prints_the_errors_and_the_hosts_drift(tuned, tmp_path, monkeypatch):
-    """The command's lines after a validation, with the measurements made up (FakeBench: ZeRO-Offload's step 1.5x
-    its profiled one) where no GPU is."""
+def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypatch):
+    """The command's lines after a validation, with FakeBench's made-up measurements where no GPU is."""
     from typer.testing import CliRunner
 
     import dostune.tune.validate as validate_module

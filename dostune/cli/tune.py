@@ -212,12 +212,12 @@ def tune(
             if it is not None:
                 err_console.print(f"{method}: median prediction error, iteration [bold]{it:.1%}[/], step "
                                   f"[bold]{st:.1%}[/]; figure {res.validation_figure}", highlight=False)
-        drift = res.host_drift("iter")
+        drift, step_drift = res.host_drift("iter"), res.host_drift("step")
         if drift is not None:
             # ZeRO-Offload's prediction is the model profile's measurement of it: its ratio is the host, not the model
+            step = f" (step {step_drift:.2f}x)" if step_drift is not None else ""
             err_console.print(f"host drift since the model profile: ZeRO-Offload ran {drift:.2f}x its profiled "
-                              f"iteration (step {res.host_drift('step'):.2f}x); every error above holds a move of that "
-                              "size", highlight=False)
+                              f"iteration{step}; every error above holds a move of that size", highlight=False)
     w = res.world
     if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
         ranks = w["gpus_per_node"]
