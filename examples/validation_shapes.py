@@ -8,7 +8,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   learned from the first; looked at since, so no longer unseen either;
 * the third (llama_0_8b, gpt2_1_7b, gpt2_2_4b, llama_3_8b; results/h100/heldout-3/), added before any run of them;
   their traces then showed the CPU lane slower beside backward than its probe, so they are seen now too;
-* the fourth (gpt2_1_1b, llama_1_5b, gpt2_3_3b, llama_3_0b), added before any run of them.
+* the fourth (gpt2_1_1b, llama_1_5b, gpt2_3_3b, llama_3_0b; results/h100/heldout-4/), added before any run of them;
+  they missed with the host (ZeRO-Offload's own step ran 0.90-1.35x its profile), so they are looked at now;
+* the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -46,6 +48,13 @@ SHAPES = {
     "gpt2_3_3b": DecoderConfig("gpt2", layers=30, hidden=2944, heads=23, vocab=50304, max_positions=1024),
     "llama_3_0b": DecoderConfig("llama", layers=26, hidden=3200, heads=25, vocab=32000, max_positions=4096, ffn=8640,
                                 kv_heads=5),
+    # the fifth set
+    "llama_0_9b": DecoderConfig("llama", layers=18, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5632,
+                                kv_heads=2),
+    "gpt2_1_5b": DecoderConfig("gpt2", layers=24, hidden=2176, heads=17, vocab=50304, max_positions=1024),
+    "gpt2_2_1b": DecoderConfig("gpt2", layers=30, hidden=2368, heads=37, vocab=50304, max_positions=1024),
+    "llama_2_3b": DecoderConfig("llama", layers=24, hidden=2816, heads=22, vocab=32000, max_positions=4096, ffn=7680,
+                                kv_heads=11),
 }
 
 
