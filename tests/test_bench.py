@@ -10,6 +10,7 @@ from dostune.bench.record import load_bench
 from dostune.bench.report import markdown, plot_timeline
 from dostune.cli.app import app
 from dostune.errors import DostuneError
+from dostune.host_steal import cpu_times
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,10 @@ def test_methods_ran_with_same_math(tiny_bench):
         assert m.iter_s > 0 and m.step_s > 0 and m.fwd_s > 0 and m.bwd_s > 0 and m.update_gelem_s > 0
         assert m.iter.n == 3
     assert d.timeline and {s.lane for s in d.timeline} >= {"cpu", "gpu"}
+    # the share of CPU time the hypervisor took over the timed iterations, where /proc/stat says (Linux)
+    for m in (z, d):
+        assert (m.steal is None) == (cpu_times() is None) and m.round_steal == ([m.steal] if m.steal is not None else [])
+        assert m.steal is None or 0.0 <= m.steal < 1.0
     # where the step's host time went, for reading a step longer than its lanes
     assert "step host time, median ms: before lanes " in d.description and "after lanes" in d.description
 
@@ -114,6 +119,11 @@ def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
     assert p.step_s == 3.5 / 4 and p.peak_gpu_gib == 7.0 and p.phase_peak_gib == {"fwd": 7.0, "step": 1.0}
     assert p.update_gelem_s == pytest.approx(2.0 * 0.5 / (3.5 / 4), abs=1e-3)  # same elements, pooled step time
     assert bench_run.pool_rounds([a]) is a
+    assert p.steal is None and p.round_steal == []  # no /proc/stat steal in either round
+    # the host's steal: each round's kept, the pooled one their mean
+    a.round_steal, b.round_steal = [0.01], [0.04]
+    p = bench_run.pool_rounds([a, b])
+    assert p.round_steal == [0.01, 0.04] and p.steal == pytest.approx(0.025)
     failed = bench_run.pool_rounds([a, _fake("dostune", [], 0.0, ran=False)])
     assert not failed.ran and failed.error == "boom"
 
@@ -172,7 +182,7 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_bench(tmp_path / "old.json")
     assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
-    data["schema_version"] = 4  # a newer dostune's
+    data["schema_version"] = 5  # a newer dostune's
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")

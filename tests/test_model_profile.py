@@ -58,13 +58,16 @@ def test_cli_model_profile_bad_model():
 def test_schema_3_measures_the_models_coefficients(prof):
     """What the performance model takes from a model profile besides the phases (docs/performance-model.md): all
     measured here on the CPU at a tiny size; tests/test_gpu.py measures them on a GPU."""
+    from dostune.host_steal import cpu_times
     from dostune.perfmodel.coefficients import Coefficients
     from dostune.perfmodel.inputs import ModelInputs, NodeInputs
     from dostune.profile.paths import shipped_profile
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 4 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 5 and prof.offload_pin_memory is True and prof.offload_pinned
+    # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
+    assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # the iteration that records the timeline is not among the timed ones
     assert all(p.time_s.n == 2 for p in prof.phases.values())
     assert prof.backward_no_copy_s.n == 2 and prof.backward_no_copy_s.median > 0

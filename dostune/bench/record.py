@@ -9,9 +9,10 @@ from ..records import Record, Span, load_record
 from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
-# the launcher. Older records still load: the new fields take their defaults.
-BENCH_SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# the launcher. 4: each method's share of CPU time the hypervisor took (steal). Older records still load: the new
+# fields take their defaults.
+BENCH_SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 BENCH_KIND = "dostune.bench"
 
 
@@ -54,6 +55,10 @@ class MethodResult(Record):
     # Seconds of every timed iteration, per phase (fwd, bwd, step, iter), all rounds in the order they ran.
     samples: dict[str, list[float]] = Field(default_factory=dict)
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
+    # v4. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
+    # the rounds' mean, and each round's (None, empty where /proc/stat has no steal, or in older records)
+    steal: Optional[float] = None
+    round_steal: list[float] = Field(default_factory=list)
     ranks: list[RankFigures] = Field(default_factory=list)  # empty for a world of one
     slowest_rank: Optional[int] = None
 

@@ -38,6 +38,7 @@ from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
 from ..host_memory import fit_host_memory
+from ..host_steal import StealMeter
 from .record import BenchResult, MethodResult, RankFigures
 
 METHODS: dict[str, str] = {
@@ -130,8 +131,10 @@ def _sync():
 
 def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: int,
             progress: ProgressSink) -> dict:
-    """Time forward, backward and step of each iteration (with the device synchronised between phases)."""
+    """Time forward, backward and step of each iteration (with the device synchronised between phases), and the
+    share of CPU time the hypervisor took during the timed ones."""
     gen = torch.Generator().manual_seed(seed + 1)
+    steal = StealMeter()
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     fwd, bwd, step, it, losses = [], [], [], [], []
@@ -150,6 +153,8 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
     for k in range(warmup + iters):
         timed = k >= warmup
         f = b = s = 0.0
+        if timed:
+            steal.start()
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
@@ -168,11 +173,12 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             bwd.append(b)
             step.append(s)
             it.append(time.perf_counter() - t_it)
+            steal.stop()
         progress.advance()
     peaks = {k: v / 2**30 for k, v in phase_peak.items()} if cuda else None
     return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
             "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses,
-            "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}}
+            "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}, "steal": steal.share}
 
 
 def method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
@@ -243,7 +249,8 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         if m["phase_peaks"] else {},
                         update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
                         losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
-                        round_iter_s=[m["iter"].median])
+                        round_iter_s=[m["iter"].median], steal=m["steal"],
+                        round_steal=[m["steal"]] if m["steal"] is not None else [])
 
 
 def gpu_allocated_gib() -> Optional[float]:
@@ -275,8 +282,11 @@ def combine_ranks(results: list[MethodResult]) -> MethodResult:
     slowest = max(range(len(results)), key=lambda k: results[k].iter_s)
     peaks = [r.peak_gpu_gib for r in results if r.peak_gpu_gib is not None]
     phase_peak = {ph: max(r.phase_peak_gib.get(ph, 0.0) for r in results) for ph in results[slowest].phase_peak_gib}
+    # the ranks of one node share its CPUs; across nodes, the most stolen-from is the one that says most
+    steal = max((r.steal for r in results if r.steal is not None), default=None)
     return results[slowest].model_copy(update=dict(ranks=ranks, slowest_rank=slowest, phase_peak_gib=phase_peak,
-                                                   peak_gpu_gib=max(peaks) if peaks else None))
+                                                   peak_gpu_gib=max(peaks) if peaks else None, steal=steal,
+                                                   round_steal=[steal] if steal is not None else []))
 
 
 def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: OffloadSettings,
@@ -437,10 +447,13 @@ def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
     phase_peak = {k: max(r.phase_peak_gib.get(k, 0.0) for r in rounds) for k in first.phase_peak_gib}
     before = [r.allocated_before_gib for r in rounds if r.allocated_before_gib is not None]
     rate = first.update_gelem_s * first.step_s / stats["step"].median if first.update_gelem_s else None
+    # rounds time the same number of iterations of the same work, so each weighs about the same
+    steal = [x for r in rounds for x in r.round_steal]
     return first.model_copy(update=dict(
         iter_s=stats["iter"].median, fwd_s=stats["fwd"].median, bwd_s=stats["bwd"].median,
         step_s=stats["step"].median, iter=stats["iter"], fwd=stats["fwd"], bwd=stats["bwd"], step=stats["step"],
         peak_gpu_gib=max(peaks) if peaks else None, phase_peak_gib=phase_peak,
         allocated_before_gib=max(before) if before else None,
         update_gelem_s=round(rate, 3) if rate else None, timeline=rounds[-1].timeline, samples=samples,
-        round_iter_s=[x for r in rounds for x in r.round_iter_s]))
+        round_iter_s=[x for r in rounds for x in r.round_iter_s], round_steal=steal,
+        steal=round(sum(steal) / len(steal), 4) if steal else None))

@@ -218,6 +218,15 @@ def tune(
             step = f" (step {step_drift:.2f}x)" if step_drift is not None else ""
             err_console.print(f"host drift since the model profile: ZeRO-Offload ran {drift:.2f}x its profiled "
                               f"iteration{step}; every error above holds a move of that size", highlight=False)
+        prof_steal, val_steal = res.profile_steal, res.validation_steal()
+        if prof_steal is not None or val_steal is not None:
+            # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured
+            # under steal and runs without (or the other way round) explain a drift
+            def pct(x):
+                return "unknown" if x is None else f"{x:.1%}"
+            err_console.print(f"host steal (CPU time the hypervisor took): {pct(prof_steal)} while the model "
+                              f"profile timed its iterations, {pct(val_steal)} over the validated runs",
+                              highlight=False)
     w = res.world
     if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
         ranks = w["gpus_per_node"]

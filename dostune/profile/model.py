@@ -20,6 +20,7 @@ from .._version import __version__
 from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
 from ..host_memory import fit_host_memory
+from ..host_steal import StealMeter, steal_note
 from ..invocation import invocation
 from ..models.registry import loss_of, resolve_model
 from ..optim.footprint import available_host_bytes
@@ -233,6 +234,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     total = opts.warmup + opts.iters + 1
     progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
+    steal = StealMeter()
 
     def sync():
         if cuda:
@@ -246,6 +248,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
             sync()
             if last:
                 rec.start()
+            if timed:
+                steal.start()
             for ph in ("fwd", "bwd", "step"):
                 rec.phase = ph
                 if cuda:
@@ -273,6 +277,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                     if cuda:
                         peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
                         peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
+            if timed:
+                steal.stop()
             rec.active = False
             progress.advance()
         grad_ready = ready.per_subgroup()
@@ -321,6 +327,9 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                                   free_gib=round(gpu_total - peak, 3) if gpu_total else None)
     node = opts.node or (identity.gpu_info(0).name if cuda else f"cpu-{os.cpu_count()}c")
     overhead_s = Stat.of(overheads).median
+    note = steal_note(steal.share, "ZeRO-Offload's iterations were timed")
+    if note:
+        notes.append(note)
     world, ranks = World.of_run(), []
     if world.size > 1:  # under the launcher: every rank measured its own partition; the slowest rank sets the pace
         ranks = [RankProfile(rank=r, phases=ph, step_overhead_s=o)
@@ -339,7 +348,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
-        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, notes=notes)
+        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale,
+        steal=steal.share, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

@@ -21,8 +21,9 @@ from .record import Series
 # these, and says so.
 # 4: backward_pinned_copy (on a GPU: how much of page-locked gradient copies backward hides). Version 3 profiles take
 # that share from ZeRO-Offload's backward where it ran pinned, else take the copies whole.
-MODEL_SCHEMA_VERSION = 4
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: steal (the share of CPU time the hypervisor took while the iterations were timed). Older profiles load with none.
+MODEL_SCHEMA_VERSION = 5
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -145,6 +146,9 @@ class ModelProfile(Record):
     # threads it ran with), fitted like the node profile's series: the rates in this engine's own memory.
     ds_cpu_adam: Optional[Series] = None
     ds_unscale: Optional[Series] = None
+    # v5. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
+    # a miss of a prediction from this profile reads against it (None where /proc/stat has no steal)
+    steal: Optional[float] = None
     notes: list[str] = Field(default_factory=list)
 
     @property

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from .._version import __version__
+from ..host_steal import StealMeter, steal_note
 from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
@@ -99,6 +100,8 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
     threads = opts.cpu_adam_threads or default_thread_counts(cores)
     cpu_sizes = opts.cpu_adam_elements or ([8 * M, 32 * M, 128 * M] if has_gpu else [4 * M, 16 * M, 64 * M])
 
+    steal = StealMeter()
+    steal.start()
     copies = measure_copies(opts.copy_sizes_bytes, opts.repeats, opts.device, progress) if has_gpu else None
     cpu_adam = measure_cpu_adam(cpu_sizes, threads, opts.repeats, progress)
     if ranks > 1:
@@ -124,6 +127,10 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         contention = measure_contention(max(cpu_sizes), cpu_adam.best_threads, opts.repeats, opts.device,
                                         chunk_bytes=min(256 * MiB, max(opts.copy_sizes_bytes)), progress=progress,
                                         devices=together or None)
+    steal.stop()
+    note = steal_note(steal.share, "this node was measured")
+    if note:
+        notes.append(note)
     return NodeProfile(
         schema_version=NODE_SCHEMA_VERSION,
         name=opts.name or default_name(gpu),
@@ -142,4 +149,5 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         ds_upload=ds_upload,
         contention=contention,
         multi_gpu=multi_gpu,
+        steal=steal.share,
     )

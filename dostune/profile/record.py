@@ -19,10 +19,10 @@ from ..records import Record, load_record
 from ..stats import Stat, linear_fit
 
 # 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
-# 3: copies.d2h_pageable. 4: contention.h2d_under_cpu. Older profiles still load: the new fields take their defaults
-# (the performance model says what it uses instead).
-NODE_SCHEMA_VERSION = 4
-NODE_READABLE_VERSIONS = (1, 2, 3, 4)
+# 3: copies.d2h_pageable. 4: contention.h2d_under_cpu. 5: steal. Older profiles still load: the new fields take their
+# defaults (the performance model says what it uses instead).
+NODE_SCHEMA_VERSION = 5
+NODE_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 NODE_KIND = "dostune.node-profile"
 
 
@@ -199,6 +199,9 @@ class NodeProfile(Record):
     ds_upload: Optional[Series] = None  # DeepSpeed's blocking fp32 (pageable) -> half GPU copy, by elements
     contention: Optional[ContentionProfile]
     multi_gpu: Optional[MultiGpuProfile] = None
+    # v5. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) while this profile measured;
+    # None where /proc/stat has no steal
+    steal: Optional[float] = None
 
     @property
     def has_gpu(self) -> bool:

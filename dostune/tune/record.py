@@ -8,8 +8,9 @@ from pydantic import Field
 from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
-# figure (every new field optional: older files still parse)
-TUNE_SCHEMA_VERSION = 3
+# figure; 4: the host's steal in the model profile and in each validated run (every new field optional: older files
+# still parse)
+TUNE_SCHEMA_VERSION = 4
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -81,6 +82,8 @@ class Validation(Record):
     measured_fwd_s: Optional[float] = None
     measured_bwd_s: Optional[float] = None
     predicted_peak_gpu_gib: Optional[float] = None
+    # v4. The share of CPU time the hypervisor took during this run's timed iterations (bench's MethodResult.steal)
+    measured_steal: Optional[float] = None
 
     def predicted(self, phase: str) -> Optional[float]:
         return getattr(self, f"predicted_{phase}_s")
@@ -129,6 +132,8 @@ class TuneResult(Record):
     validation: list[Validation] = Field(default_factory=list)
     validation_figure: Optional[str] = None  # predicted against measured, per phase and schedule (tune --validate)
     validation_bench: Optional[str] = None  # the validation's measurements as a bench record (traced steps included)
+    # v4. The share of CPU time the hypervisor took while the model profile timed its iterations (ModelProfile.steal)
+    profile_steal: Optional[float] = None
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -148,3 +153,9 @@ class TuneResult(Record):
         if zo is None or not zo.predicted(phase) or zo.measured(phase) is None:
             return None
         return zo.measured(phase) / zo.predicted(phase)
+
+    def validation_steal(self) -> Optional[float]:
+        """The mean share of CPU time the hypervisor took over the validated runs (None where none was recorded):
+        beside ``profile_steal``, whether the host was as quiet when the profile measured as when the runs did."""
+        xs = [v.measured_steal for v in self.validation if v.measured_steal is not None]
+        return sum(xs) / len(xs) if xs else None

@@ -43,7 +43,8 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       predicted_step_s=predicted.step_s, predicted_iter_s=predicted.iter_s,
                       predicted_peak_gpu_gib=predicted.peak_gpu_gib, measured_fwd_s=measured.fwd_s,
                       measured_bwd_s=measured.bwd_s, measured_step_s=measured.step_s,
-                      measured_iter_s=measured.iter_s, measured_peak_gpu_gib=measured.peak_gpu_gib)
+                      measured_iter_s=measured.iter_s, measured_peak_gpu_gib=measured.peak_gpu_gib,
+                      measured_steal=measured.steal)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The performance model checked across models: reads the tune.json of `dostune tune --validate` runs (one per
 model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
 ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between profile and validation
-(TuneResult.host_drift).
+(TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs
+where they recorded it.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
@@ -43,6 +44,7 @@ def summarize(results: list[TuneResult]) -> list[dict]:
             it, st = res.median_error("iter", method), res.median_error("step", method)
             out.append({"model": res.model, "params": res.params, "method": method, "rows": n, "iter": it,
                         "step": st, "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
+                        "steal": (res.profile_steal, res.validation_steal()),
                         "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
     return out
 
@@ -56,15 +58,23 @@ def _ratio(x: Optional[float]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
+    # results from before the steal was recorded keep their table as it was
+    steal = any(x is not None for r in rows for x in r.get("steal", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})", "",
              "Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it, minutes "
-             "before on the same host. Every row of that model holds a move of that size, whatever the model.", "",
-             "| model | parameters | method | rows | iteration | step | backward | within | host drift |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "before on the same host. Every row of that model holds a move of that size, whatever the model."
+             + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
+                "and over the validated runs (docs/experiments.md, section 16)." if steal else ""), "",
+             "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
+             + (" host steal, profile / runs |" if steal else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "")]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
-                     f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
+        line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
+                f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
+        if steal:
+            line += f" {_pct(r['steal'][0])} / {_pct(r['steal'][1])} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
