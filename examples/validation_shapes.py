@@ -10,7 +10,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   their traces then showed the CPU lane slower beside backward than its probe, so they are seen now too;
 * the fourth (gpt2_1_1b, llama_1_5b, gpt2_3_3b, llama_3_0b; results/h100/heldout-4/), added before any run of them;
   they missed with the host (ZeRO-Offload's own step ran 0.90-1.35x its profile), so they are looked at now;
-* the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b), added before any run of them.
+* the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b; results/h100/heldout-5/), added before any run of them;
+  looked at since (docs/experiments.md, section 16).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
