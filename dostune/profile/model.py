@@ -348,8 +348,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
-        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale,
-        steal=steal.share, notes=notes)
+        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam,
+        ds_unscale=ds_unscale, steal=steal.share, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:
