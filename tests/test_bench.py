@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 import dostune.train.engine as engine_mod
 from dostune.bench import run as bench_run
+from dostune.bench.pool import pool_rounds
 from dostune.bench.record import load_bench
 from dostune.bench.report import markdown, plot_timeline
 from dostune.cli.app import app
@@ -113,18 +114,18 @@ def _fake(name: str, iters: list[float], peak: float, ran: bool = True):
 def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
     a = _fake("dostune", [1.0, 2.0, 3.0], peak=5.0)
     b = _fake("dostune", [4.0, 5.0, 6.0], peak=7.0)
-    p = bench_run.pool_rounds([a, b])
+    p = pool_rounds([a, b])
     assert p.iter_s == 3.5 and p.iter.n == 6 and p.iter.lo == 1.0 and p.iter.hi == 6.0
     assert p.samples["iter"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and p.round_iter_s == [2.0, 5.0]
     assert p.step_s == 3.5 / 4 and p.peak_gpu_gib == 7.0 and p.phase_peak_gib == {"fwd": 7.0, "step": 1.0}
     assert p.update_gelem_s == pytest.approx(2.0 * 0.5 / (3.5 / 4), abs=1e-3)  # same elements, pooled step time
-    assert bench_run.pool_rounds([a]) is a
+    assert pool_rounds([a]) is a
     assert p.steal is None and p.round_steal == []  # no /proc/stat steal in either round
     # the host's steal: each round's kept, the pooled one their mean
     a.round_steal, b.round_steal = [0.01], [0.04]
-    p = bench_run.pool_rounds([a, b])
+    p = pool_rounds([a, b])
     assert p.round_steal == [0.01, 0.04] and p.steal == pytest.approx(0.025)
-    failed = bench_run.pool_rounds([a, _fake("dostune", [], 0.0, ran=False)])
+    failed = pool_rounds([a, _fake("dostune", [], 0.0, ran=False)])
     assert not failed.ran and failed.error == "boom"
 
 

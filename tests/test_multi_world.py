@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dostune.bench.record import MethodResult
-from dostune.bench.run import combine_ranks
+from dostune.bench.pool import combine_ranks
 from dostune.cli.app import app
 from dostune.errors import ConfigError, DostuneError, ProfileError
 from dostune.models.registry import resolve_model

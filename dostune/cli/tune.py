@@ -20,8 +20,8 @@ from .common import (RichProgress, err_console, flag, handle_errors, need_deepsp
                      quiet_stdout)
 
 
-def _f(x, fmt="{:.3f}"):
-    return "-" if x is None else fmt.format(x)
+def _f(x, fmt="{:.3f}", none="-"):
+    return none if x is None else fmt.format(x)
 
 
 def _during_backward(s: dict) -> str:
@@ -222,11 +222,9 @@ def tune(
         if prof_steal is not None or val_steal is not None:
             # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured
             # under steal and runs without (or the other way round) explain a drift
-            def pct(x):
-                return "unknown" if x is None else f"{x:.1%}"
-            err_console.print(f"host steal (CPU time the hypervisor took): {pct(prof_steal)} while the model "
-                              f"profile timed its iterations, {pct(val_steal)} over the validated runs",
-                              highlight=False)
+            err_console.print(f"host steal (CPU time the hypervisor took): {_f(prof_steal, '{:.1%}', 'unknown')} "
+                              f"while the model profile timed its iterations, {_f(val_steal, '{:.1%}', 'unknown')} "
+                              "over the validated runs", highlight=False)
     w = res.world
     if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
         ranks = w["gpus_per_node"]

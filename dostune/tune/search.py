@@ -378,6 +378,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         max_peak_gib=space.max_peak_gib, study_name=study_name, storage=storage, sampler=opts.sampler,
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, world=world.as_config(), host_budget_gib=space.host_budget_gib,
-        profile_steal=model_p.steal if model_p else None, notes=list(opts.notes) + [n for n in space.coeffs.notes if n not in opts.notes])
+        profile_steal=model_p.steal if model_p else None,
+        notes=list(opts.notes) + [n for n in space.coeffs.notes if n not in opts.notes])
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
                                opts.activation_checkpointing, world), space

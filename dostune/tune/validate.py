@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..bench.record import BenchResult, MethodResult
-from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offload, pool_rounds, run_method
+from ..bench.pool import pool_rounds
+from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offload, run_method
 from ..dsconfig import OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
