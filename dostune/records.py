@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import DostuneError, ProfileError
 
@@ -32,6 +32,25 @@ class Span(Record):
     subgroup: int
     start: float
     end: float
+
+
+class SetAside(Record):
+    """Timed iterations a measurement set aside because the hypervisor took more than host_steal.QUIET_BELOW of the
+    CPU while they ran (another ran in the place of each): written by the model profile and bench."""
+
+    runs: int = 0
+    steal: list[float] = Field(default_factory=list)  # each one's share of steal
+    seconds: list[float] = Field(default_factory=list)  # each one's length: against the kept ones, what steal cost
+    waited_s: float = 0.0  # seconds spent watching the host for a quiet moment before running again
+
+    @classmethod
+    def of(cls, parts: "list[SetAside | None]") -> "SetAside | None":
+        """Several measurements' (a bench's rounds) as one; None when none of them recorded any."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        return cls(runs=sum(p.runs for p in parts), steal=[x for p in parts for x in p.steal],
+                   seconds=[x for p in parts for x in p.seconds], waited_s=round(sum(p.waited_s for p in parts), 3))
 
 
 R = TypeVar("R", bound=BaseModel)

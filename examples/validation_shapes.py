@@ -11,7 +11,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fourth (gpt2_1_1b, llama_1_5b, gpt2_3_3b, llama_3_0b; results/h100/heldout-4/), added before any run of them;
   they missed with the host (ZeRO-Offload's own step ran 0.90-1.35x its profile), so they are looked at now;
 * the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b; results/h100/heldout-5/), added before any run of them;
-  looked at since (docs/experiments.md, section 16).
+  looked at since (docs/experiments.md, section 16);
+* the sixth (gpt2_1_0b, llama_1_2b, llama_1_8b, gpt2_2_0b; results/h100/heldout-6/), added before any run of them,
+  the first measured with iterations set aside for steal (host_steal.QuietRuns).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -56,6 +58,13 @@ SHAPES = {
     "gpt2_2_1b": DecoderConfig("gpt2", layers=30, hidden=2368, heads=37, vocab=50304, max_positions=1024),
     "llama_2_3b": DecoderConfig("llama", layers=24, hidden=2816, heads=22, vocab=32000, max_positions=4096, ffn=7680,
                                 kv_heads=11),
+    # the sixth set
+    "gpt2_1_0b": DecoderConfig("gpt2", layers=17, hidden=2112, heads=22, vocab=50304, max_positions=1024),
+    "llama_1_2b": DecoderConfig("llama", layers=20, hidden=2240, heads=35, vocab=32000, max_positions=2048, ffn=6016,
+                                kv_heads=7),
+    "llama_1_8b": DecoderConfig("llama", layers=22, hidden=2688, heads=21, vocab=32000, max_positions=4096, ffn=7168,
+                                kv_heads=3),
+    "gpt2_2_0b": DecoderConfig("gpt2", layers=26, hidden=2432, heads=19, vocab=50304, max_positions=1024),
 }
 
 

@@ -13,6 +13,8 @@ from dostune.cli.app import app
 from dostune.errors import DostuneError
 from dostune.host_steal import cpu_times
 
+from stolen_host import FirstRunStolen
+
 
 @pytest.fixture(scope="module")
 def tiny_bench():
@@ -25,6 +27,7 @@ def tiny_bench():
         return e
 
     engine_mod.build_engine = spy
+    bench_run.QuietRuns = FirstRunStolen  # each method's first timed iteration is set aside
     try:
         opts = bench_run.BenchOptions(model="gpt2-tiny", micro_batch=2, seq=32, iters=3, warmup=1,
                                       methods=["dostune", "zero-offload"], sub_group_size=20_000,
@@ -32,6 +35,7 @@ def tiny_bench():
         res = bench_run.run_bench(opts, command="pytest")
     finally:
         engine_mod.build_engine = real
+        bench_run.QuietRuns = FirstRunStolen.__base__
     gc.collect()
     return res, engines
 
@@ -41,10 +45,13 @@ def test_methods_ran_with_same_math(tiny_bench):
     assert list(res.methods) == ["zero-offload", "dostune"]  # DeepSpeed's baseline first, whatever the order asked
     z, d = res.methods["zero-offload"], res.methods["dostune"]
     assert z.ran and d.ran
-    assert d.losses == z.losses  # bit-identical optimizer: identical loss sequence
+    # bit-identical optimizer: identical loss sequence, of the warm-up and timed iterations whatever was set aside
+    assert d.losses == z.losses and len(d.losses) == 4
     for m in (z, d):
         assert m.iter_s > 0 and m.step_s > 0 and m.fwd_s > 0 and m.bwd_s > 0 and m.update_gelem_s > 0
-        assert m.iter.n == 3
+        assert m.iter.n == 3 and all(len(v) == 3 for v in m.samples.values())
+        # the first timed iteration was stolen from (FirstRunStolen): set aside, and a fourth ran in its place
+        assert m.set_aside.runs == 1 and m.set_aside.steal == [0.5] and m.set_aside.seconds[0] > 0
     assert d.timeline and {s.lane for s in d.timeline} >= {"cpu", "gpu"}
     # the share of CPU time the hypervisor took over the timed iterations, where /proc/stat says (Linux)
     for m in (z, d):
@@ -69,6 +76,10 @@ def test_result_round_trip_and_renderings(tiny_bench, tmp_path):
     assert again == res
     md = markdown(res)
     assert "| zero-offload |" in md and "| dostune |" in md and "1.00x" in md
+    # each method's iteration set aside for steal (FirstRunStolen), beside the kept ones
+    assert "Set aside for steal" in md
+    assert ("- dostune: 1 timed iteration set aside, each run again: the hypervisor took 50.0% of the CPU while they "
+            "ran (steal in /proc/stat); they took ") in md and f"the kept ones {res.methods['dostune'].iter_s:.3f} s" in md
     png = plot_timeline(res.methods["dostune"].timeline, tmp_path / "t.png", "test")
     assert png.exists() and png.stat().st_size > 1000
 
@@ -183,7 +194,7 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_bench(tmp_path / "old.json")
     assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
-    data["schema_version"] = 5  # a newer dostune's
+    data["schema_version"] = 6  # a newer dostune's
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")

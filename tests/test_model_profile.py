@@ -6,11 +6,16 @@ from dostune.profile.model import ModelProfileOptions, measure_model, plot_memor
 from dostune.profile.model_record import load_model_profile
 from dostune.records import save_record
 
+from stolen_host import FirstRunStolen
+
 
 @pytest.fixture(scope="module")
 def prof():
-    return measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
-                                             reduce_bucket_size=3_000, iters=2, warmup=1), command="pytest")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("dostune.profile.model.QuietRuns", FirstRunStolen)
+        mp.setattr("dostune.profile.backward_probes.QuietRuns", FirstRunStolen)
+        return measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
+                                                 reduce_bucket_size=3_000, iters=2, warmup=1), command="pytest")
 
 
 def test_timeline_has_the_three_phases_in_order(prof):
@@ -65,10 +70,15 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 5 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 6 and prof.offload_pin_memory is True and prof.offload_pinned
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
-    # the iteration that records the timeline is not among the timed ones
+    # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set
+    # aside and another ran; the iteration that records the timeline is not among the timed ones
+    for aside in (prof.set_aside, prof.probes_set_aside):
+        assert aside.runs == 1 and aside.steal == [0.5] and len(aside.seconds) == 1 and aside.waited_s == 0
+    assert any(n.startswith("1 timed iteration set aside, each run again: the hypervisor took 50.0%") for n in prof.notes)
+    assert any(n.startswith("1 round of the backward probes set aside") for n in prof.notes)
     assert all(p.time_s.n == 2 for p in prof.phases.values())
     assert prof.backward_no_copy_s.n == 2 and prof.backward_no_copy_s.median > 0
     assert prof.backward_pinned_copy is None  # page-locked copies need a CUDA GPU (tests/test_profile_gpu.py)

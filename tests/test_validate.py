@@ -7,6 +7,7 @@ import pytest
 from dostune.bench.record import MethodResult
 from dostune.errors import DostuneError, NotAvailable
 from dostune.profile.paths import shipped_profile
+from dostune.records import SetAside
 from dostune.tune import validation_report
 from dostune.tune.record import TuneResult
 from dostune.tune.search import TuneOptions, run_tune
@@ -40,9 +41,10 @@ class FakeBench:
         samples = {"fwd": [fwd * drift], "bwd": [bwd * drift], "step": [step * drift],
                    "iter": [(fwd + bwd + step) * drift]}
         steal = 0.01 * (k + 1)  # a made-up share of CPU time the hypervisor took, one per call
+        aside = SetAside(runs=k, steal=[0.05] * k, seconds=[1.0] * k)  # and as many iterations set aside for it
         return MethodResult(method=name, description="", iter_s=samples["iter"][0], fwd_s=samples["fwd"][0],
                             bwd_s=samples["bwd"][0], step_s=samples["step"][0], peak_gpu_gib=20.0, samples=samples,
-                            round_iter_s=samples["iter"], steal=steal, round_steal=[steal])
+                            round_iter_s=samples["iter"], steal=steal, round_steal=[steal], set_aside=aside)
 
 
 def test_validate_records_every_phase_of_zero_offload_and_each_schedule(tuned):
@@ -112,7 +114,7 @@ def test_figure_record_and_report(tuned, tmp_path):
     res = tuned.model_copy(deep=True)
     res.validation = validate(res, 2, seq=1024, rounds=1, runner=FakeBench((1.0, 1.05, 1.1)),
                               host_available=120 * 2**30).rows
-    res.profile_steal = 0.05
+    res.profile_steal, res.profile_set_aside = 0.05, 2
     png = plot_validation(res, tmp_path / "validation.png")
     assert png.stat().st_size > 10_000
     res.validation_figure = str(png)
@@ -126,9 +128,9 @@ def test_figure_record_and_report(tuned, tmp_path):
     old["schema_version"] = 2
     for v in old["validation"]:
         for k in ("method", "predicted_fwd_s", "predicted_bwd_s", "measured_fwd_s", "measured_bwd_s",
-                  "predicted_peak_gpu_gib", "measured_steal"):
+                  "predicted_peak_gpu_gib", "measured_steal", "set_aside"):
             del v[k]
-    del old["validation_figure"], old["profile_steal"]
+    del old["validation_figure"], old["profile_steal"], old["profile_set_aside"]
     assert TuneResult.model_validate(old).median_iter_error is not None
     # the report across models: every row within the bounds here, one model off by more than 10% below
     off = res.model_copy(deep=True)
@@ -153,10 +155,14 @@ def test_figure_record_and_report(tuned, tmp_path):
     # the host's steal: the profile's, and the mean of the validated runs' (FakeBench: 1% and 2% here, one failed)
     assert [v.measured_steal for v in again.validation] == [0.01, 0.02]
     assert again.profile_steal == 0.05 and again.validation_steal() == pytest.approx(0.015)
-    assert "host steal, profile / runs |" in text and f"| {drift:.2f}x | 5.0% / 1.5% |" in text
+    assert "host steal, profile / runs |" in text
+    # and the timed iterations set aside for it: the profile's 2, the runs' 0 and 1 (FakeBench)
+    assert [v.set_aside for v in again.validation] == [0, 1] and again.validation_set_aside() == 1
+    assert "set aside, profile / runs |" in text and f"| {drift:.2f}x | 5.0% / 1.5% | 2 / 1 |" in text
     # results from before the steal was recorded keep the table they had
     old_rows = validation_report.summarize([TuneResult.model_validate(old)])
     assert "host steal" not in validation_report.markdown(old_rows)
+    assert "set aside" not in validation_report.markdown(old_rows)
     no_zo = again.model_copy(update={"validation": [v for v in again.validation if v.method == "dostune"]})
     assert no_zo.host_drift() is None
     assert validation_report.main([str(tmp_path / "missing.json")]) == 2
@@ -185,5 +191,5 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     # the shipped model profile predates the steal; FakeBench's runs say 1% and 2%
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
-            "over the validated runs") in out
+            "over the validated runs (1 iteration set aside)") in out
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()

@@ -2,6 +2,7 @@
 the rounds of a bench or a validation (every round's timed iterations pooled)."""
 from __future__ import annotations
 
+from ..records import SetAside
 from ..stats import Stat
 from .record import MethodResult, RankFigures
 
@@ -17,7 +18,8 @@ def combine_ranks(results: list[MethodResult]) -> MethodResult:
     slowest = max(range(len(results)), key=lambda k: results[k].iter_s)
     peaks = [r.peak_gpu_gib for r in results if r.peak_gpu_gib is not None]
     phase_peak = {ph: max(r.phase_peak_gib.get(ph, 0.0) for r in results) for ph in results[slowest].phase_peak_gib}
-    # the ranks of one node share its CPUs; across nodes, the most stolen-from is the one that says most
+    # the ranks of one node share its CPUs; across nodes, the most stolen-from is the one that says most (the ranks
+    # agreed on which iterations to set aside, QuietRuns, so the slowest rank's set_aside holds for all)
     steal = max((r.steal for r in results if r.steal is not None), default=None)
     return results[slowest].model_copy(update=dict(ranks=ranks, slowest_rank=slowest, phase_peak_gib=phase_peak,
                                                    peak_gpu_gib=max(peaks) if peaks else None, steal=steal,
@@ -47,4 +49,5 @@ def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
         allocated_before_gib=max(before) if before else None,
         update_gelem_s=round(rate, 3) if rate else None, timeline=rounds[-1].timeline, samples=samples,
         round_iter_s=[x for r in rounds for x in r.round_iter_s], round_steal=steal,
-        steal=round(sum(steal) / len(steal), 4) if steal else None))
+        steal=round(sum(steal) / len(steal), 4) if steal else None,
+        set_aside=SetAside.of([r.set_aside for r in rounds])))

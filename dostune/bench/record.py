@@ -5,14 +5,14 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from ..records import Record, Span, load_record
+from ..records import Record, SetAside, Span, load_record
 from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
-# the launcher. 4: each method's share of CPU time the hypervisor took (steal). Older records still load: the new
-# fields take their defaults.
-BENCH_SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# the launcher. 4: each method's share of CPU time the hypervisor took (steal). 5: the timed iterations set aside for
+# steal. Older records still load: the new fields take their defaults.
+BENCH_SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 BENCH_KIND = "dostune.bench"
 
 
@@ -59,6 +59,9 @@ class MethodResult(Record):
     # the rounds' mean, and each round's (None, empty where /proc/stat has no steal, or in older records)
     steal: Optional[float] = None
     round_steal: list[float] = Field(default_factory=list)
+    # v5. The timed iterations set aside because the hypervisor took from them (another ran in the place of each;
+    # samples and steal are the kept ones'), every round's together (None in older records)
+    set_aside: Optional[SetAside] = None
     ranks: list[RankFigures] = Field(default_factory=list)  # empty for a world of one
     slowest_rank: Optional[int] = None
 

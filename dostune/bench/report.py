@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from ..host_steal import set_aside_text
 from ..records import save_figure
 from .record import BenchResult, RankFigures, Span
 
@@ -35,6 +36,16 @@ def ceiling_lines(res: BenchResult) -> list[str]:
         if r is not None:
             rounds = f" (per round: {', '.join(f'{x:.2f}x' for x in r[1])})" if len(r[1]) > 1 else ""
             out.append(f"{name}: {r[0]:.2f}x no offload's iteration time{rounds}")
+    return out
+
+
+def set_aside_lines(res: BenchResult) -> list[str]:
+    """One line per method that set timed iterations aside for steal, beside what the kept ones took."""
+    out = []
+    for name, m in res.methods.items():
+        text = set_aside_text(m.set_aside) if m.ran else None
+        if text:
+            out.append(f"{name}: {text}, the kept ones {m.iter_s:.3f} s")
     return out
 
 
@@ -79,6 +90,10 @@ def markdown(res: BenchResult) -> str:
     if ranks:
         lines += ["", f"{res.world_size} ranks on {res.nodes} node(s): each row is the slowest rank's, its peak "
                   "memory the highest of any rank.", ""] + [f"- {line}" for line in ranks]
+    aside = set_aside_lines(res)
+    if aside:
+        lines += ["", "Set aside for steal (the hypervisor took the CPU; each iteration run again, the table holds the "
+                  "kept ones):", ""] + [f"- {line}" for line in aside]
     ceiling = ceiling_lines(res)
     if ceiling:
         lines += ["", "Against no offload (the ceiling):", ""] + [f"- {line}" for line in ceiling]

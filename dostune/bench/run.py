@@ -38,7 +38,7 @@ from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
 from ..host_memory import fit_host_memory
-from ..host_steal import StealMeter
+from ..host_steal import QuietRuns
 from .pool import combine_ranks, pool_rounds
 from .record import BenchResult, MethodResult
 
@@ -132,17 +132,18 @@ def _sync():
 
 def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: int,
             progress: ProgressSink) -> dict:
-    """Time forward, backward and step of each iteration (with the device synchronised between phases), and the
-    share of CPU time the hypervisor took during the timed ones."""
+    """Time forward, backward and step of ``iters`` iterations the hypervisor left alone (with the device
+    synchronised between phases): one it took more than host_steal.QUIET_BELOW of the CPU from is set aside and
+    another runs (QuietRuns). Losses are those of the first ``warmup + iters`` iterations, whatever was set aside, so
+    that methods compare step for step."""
     gen = torch.Generator().manual_seed(seed + 1)
-    steal = StealMeter()
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
-    fwd, bwd, step, it, losses = [], [], [], [], []
     cuda = torch.cuda.is_available()
     phase_peak = {"fwd": 0, "bwd": 0, "step": 0}
+    losses: list[float] = []
 
-    def phase(name: str, fn):
+    def phase(name: str, fn, timed: bool):
         if cuda and timed:
             torch.cuda.reset_peak_memory_stats()
         out = fn()
@@ -151,35 +152,38 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated())
         return out
 
-    for k in range(warmup + iters):
-        timed = k >= warmup
+    def iteration(timed: bool) -> tuple[float, float, float, float]:
         f = b = s = 0.0
-        if timed:
-            steal.start()
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
             _sync()
             t0 = time.perf_counter()
-            loss = phase("fwd", lambda: loss_of(engine(**batch)))
+            loss = phase("fwd", lambda: loss_of(engine(**batch)), timed)
             t1 = time.perf_counter()
-            phase("bwd", lambda: engine.backward(loss))
+            phase("bwd", lambda: engine.backward(loss), timed)
             t2 = time.perf_counter()
-            phase("step", engine.step)
+            phase("step", engine.step, timed)
             t3 = time.perf_counter()
             f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
-            losses.append(float(loss.detach().float()))
-        if k >= warmup:
-            fwd.append(f)
-            bwd.append(b)
-            step.append(s)
-            it.append(time.perf_counter() - t_it)
-            steal.stop()
+            if len(losses) < (warmup + iters) * gas:
+                losses.append(float(loss.detach().float()))
         progress.advance()
+        return f, b, s, time.perf_counter() - t_it
+
+    for _ in range(warmup):
+        iteration(timed=False)
+    runs = QuietRuns(iters, gather=gather_ranks, on_set_aside=lambda share, left: progress.start(
+        f"an iteration set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} more", left))
+    while runs.more():
+        runs.start()
+        runs.stop(iteration(timed=True))
+    fwd, bwd, step, it = (list(x) for x in zip(*runs.kept()))
     peaks = {k: v / 2**30 for k, v in phase_peak.items()} if cuda else None
     return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
             "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses,
-            "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}, "steal": steal.share}
+            "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}, "steal": runs.share,
+            "set_aside": runs.set_aside()}
 
 
 def method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
@@ -251,7 +255,7 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
                         losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
                         round_iter_s=[m["iter"].median], steal=m["steal"],
-                        round_steal=[m["steal"]] if m["steal"] is not None else [])
+                        round_steal=[m["steal"]] if m["steal"] is not None else [], set_aside=m["set_aside"])
 
 
 def gpu_allocated_gib() -> Optional[float]:

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from ..bench.record import BenchResult
-from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rank_lines, rows
+from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rank_lines, rows, set_aside_lines
 from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_dostune, node_label, run_bench
 from ..dsconfig import activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
@@ -169,7 +169,7 @@ def bench(
                                       f"{name} update timeline: {model} on {res.node}"))
     png = ", ".join(str(x) for x in pngs if x) or None
     err_console.print(render_bench(res))
-    for line in rank_lines(res) + ceiling_lines(res):
+    for line in rank_lines(res) + set_aside_lines(res) + ceiling_lines(res):
         err_console.print(line, highlight=False, soft_wrap=True)
     failed = [n for n, m in res.methods.items() if not m.ran]
     if failed:

@@ -222,9 +222,13 @@ def tune(
         if prof_steal is not None or val_steal is not None:
             # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured
             # under steal and runs without (or the other way round) explain a drift
+            def aside(n):
+                return "" if n is None else f" ({n} iteration{'s' if n != 1 else ''} set aside)"
+
             err_console.print(f"host steal (CPU time the hypervisor took): {_f(prof_steal, '{:.1%}', 'unknown')} "
-                              f"while the model profile timed its iterations, {_f(val_steal, '{:.1%}', 'unknown')} "
-                              "over the validated runs", highlight=False)
+                              f"while the model profile timed its iterations{aside(res.profile_set_aside)}, "
+                              f"{_f(val_steal, '{:.1%}', 'unknown')} over the validated runs"
+                              f"{aside(res.validation_set_aside())}", highlight=False)
     w = res.world
     if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
         ranks = w["gpus_per_node"]

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import DostuneError
+from ..host_steal import QuietRuns
+from ..records import SetAside
 from ..stats import Stat
 from .model_record import BackwardLaneProfile, PinnedCopyProfile
 from .timing import NullProgress, ProgressSink, time_cpu
@@ -127,12 +129,15 @@ def lane_threads() -> int:
 
 
 def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, lane_elements: int,
-                            half: torch.dtype, progress: Optional[ProgressSink] = None
-                            ) -> tuple[Stat, Optional[BackwardLaneProfile], Optional[PinnedCopyProfile], list[str]]:
+                            half: torch.dtype, progress: Optional[ProgressSink] = None,
+                            gather: Callable[[Optional[float]], list] = lambda share: [share]
+                            ) -> tuple[Stat, Optional[BackwardLaneProfile], Optional[PinnedCopyProfile], SetAside,
+                                       list[str]]:
     """``backward()``: one forward (untimed) and backward of the engine whose optimizer is ``opt``, returning
     (start, end) of the backward on the host clock, synchronised. Returns the backward without gradient copies, the
     lane beside it (None, with a note, where dostune's kernel cannot be built), the backward with page-locked
-    copies (None without a CUDA GPU), and notes."""
+    copies (None without a CUDA GPU), the rounds set aside for steal (``gather``: every rank's share of a round,
+    QuietRuns) and notes."""
     progress = progress or NullProgress()
     pinned = torch.cuda.is_available()
     progress.start("backward without gradient copies, with page-locked ones, and beside the CPU lane"
@@ -164,31 +169,40 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
         # The probes take turns, pass by pass (no copies, page-locked copies, beside the lane; again): the model takes
         # their differences, and on the H100 hosts a llama 2B backward without copies read 0.327 s in a block of five
         # passes before the page-locked block read 0.223 s, a host that sped up between them, not copies that help.
-        alone, runs, windows = [], [], []
-        for _ in range(repeats):
+        # A round the hypervisor took from is set aside and another runs (QuietRuns); the lane's updates count only
+        # inside the kept rounds' windows.
+        rounds = QuietRuns(repeats, gather=gather, on_set_aside=lambda share, left: progress.start(
+            f"a round of backward passes set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} "
+            "more", left * (3 if pinned else 2)))
+        while rounds.more():
+            rounds.start()
             opt.partition_grads = drop_gradient_copies(opt)
-            alone.append(timed())
+            one = [timed(), None, None]
             if scratch is not None:
                 opt.partition_grads = copy_gradients_pinned(opt, scratch)
-                runs.append(timed())
+                one[1] = timed()
                 opt.partition_grads = drop_gradient_copies(opt)
             if lane is not None:
                 with lane:
-                    windows.append(timed())
+                    one[2] = timed()
+            rounds.stop(one)
         del scratch
+        kept = rounds.kept()
+        alone, runs, windows = ([r[k] for r in kept if r[k] is not None] for k in range(3))
+        set_aside = rounds.set_aside()
         no_copy = Stat.of([b - a for a, b in alone])
         copied = None
         if runs:
             copied = PinnedCopyProfile(bytes=sum(p.partition_numel() for p in params) * params[0].element_size(),
                                        backward_s=Stat.of([b - a for a, b in runs]))
         if lane is None:
-            return no_copy, None, copied, notes
+            return no_copy, None, copied, set_aside, notes
         beside = lane.within(windows)
         if not beside:
             notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
-            return no_copy, None, copied, notes
+            return no_copy, None, copied, set_aside, notes
         return no_copy, BackwardLaneProfile(
             threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone, lane_beside_s=Stat.of(beside),
-            backward_s=Stat.of([b - a for a, b in windows])), copied, notes
+            backward_s=Stat.of([b - a for a, b in windows])), copied, set_aside, notes
     finally:
         opt.partition_grads = before

@@ -20,7 +20,7 @@ from .._version import __version__
 from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
 from ..host_memory import fit_host_memory
-from ..host_steal import StealMeter, steal_note
+from ..host_steal import QuietRuns, set_aside_text, steal_note
 from ..invocation import invocation
 from ..models.registry import loss_of, resolve_model
 from ..optim.footprint import available_host_bytes
@@ -221,66 +221,78 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     handles = _install_memory_hooks(engine.module, rec)
     ready = _GradReadiness(engine.optimizer, cuda)
     overhead = StepParts(engine.optimizer)
-    overheads = []
     pcie = _PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
     if pcie:
         pcie.start()
-    times = {ph: [] for ph in ("fwd", "bwd", "step")}
-    peaks = {ph: 0.0 for ph in times}
-    peaks_res = {ph: 0.0 for ph in times}
+    peaks = {ph: 0.0 for ph in ("fwd", "bwd", "step")}
+    peaks_res = {ph: 0.0 for ph in peaks}
     gen = torch.Generator().manual_seed(opts.seed + 1)
     # the last iteration records the memory timeline and when gradients are final; its hooks slow it (backward by up
     # to 1.6x in the profiles before schema 3, which timed it too), so it is not one of the timed ones
     total = opts.warmup + opts.iters + 1
     progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
-    steal = StealMeter()
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    try:
-        for k in range(total):
-            last = k == total - 1
-            timed = k >= opts.warmup and not last
-            batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
+    def iteration(timed: bool = False, last: bool = False) -> tuple[dict[str, float], int, float]:
+        """One iteration: its phases' seconds, its place among StepParts' closed steps and its step overhead (-1 and
+        0 untimed)."""
+        nonlocal backward_s
+        batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
+        sync()
+        if last:
+            rec.start()
+        secs, closed, step_overhead = {}, -1, 0.0
+        for ph in ("fwd", "bwd", "step"):
+            rec.phase = ph
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            if ph == "bwd" and last:
+                ready.begin()
+            overhead.reset()
+            rec.sample(f"{ph}:begin")
+            t0 = time.perf_counter()
+            if ph == "fwd":
+                loss = loss_of(engine(**batch))
+            elif ph == "bwd":
+                engine.backward(loss)
+            else:
+                engine.step()
             sync()
-            if last:
-                rec.start()
+            secs[ph] = dt = time.perf_counter() - t0
+            rec.sample(f"{ph}:end")
+            if ph == "bwd" and last:
+                backward_s = dt
             if timed:
-                steal.start()
-            for ph in ("fwd", "bwd", "step"):
-                rec.phase = ph
+                if ph == "step":
+                    step_overhead = overhead.close(dt)
+                    closed = len(overhead.steps) - 1
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                if ph == "bwd" and last:
-                    ready.begin()
-                overhead.reset()
-                rec.sample(f"{ph}:begin")
-                t0 = time.perf_counter()
-                if ph == "fwd":
-                    loss = loss_of(engine(**batch))
-                elif ph == "bwd":
-                    engine.backward(loss)
-                else:
-                    engine.step()
-                sync()
-                dt = time.perf_counter() - t0
-                rec.sample(f"{ph}:end")
-                if ph == "bwd" and last:
-                    backward_s = dt
-                if timed:
-                    times[ph].append(dt)
-                    if ph == "step":
-                        overheads.append(overhead.close(dt))
-                    if cuda:
-                        peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
-                        peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
-            if timed:
-                steal.stop()
-            rec.active = False
-            progress.advance()
+                    peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
+                    peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
+        rec.active = False
+        progress.advance()
+        return secs, closed, step_overhead
+
+    # iterations the hypervisor took from are set aside and run again (QuietRuns): every rate the model takes from
+    # this profile is then the machine's own, as the runs checked against it keep theirs
+    timed_runs = QuietRuns(opts.iters, gather=gather_ranks, on_set_aside=lambda share, left: progress.start(
+        f"{opts.model}: an iteration set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} "
+        "more", left + 1))
+    try:
+        for _ in range(opts.warmup):
+            iteration()
+        while timed_runs.more():
+            timed_runs.start()
+            timed_runs.stop(iteration(timed=True))
+        iteration(last=True)
+        kept = timed_runs.kept()
+        times = {ph: [secs[ph] for secs, _, _ in kept] for ph in peaks}
+        overheads = [o for _, _, o in kept]
+        overhead.keep_steps([closed for _, closed, _ in kept])
         grad_ready = ready.per_subgroup()
         opt = engine.optimizer
         subgroups = [SubgroupProfile(index=i, numel=int(opt.fp16_partitioned_groups_flat_numel[i]),
@@ -301,8 +313,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         # the lane's gradients and results in the training's half precision (bf16 for an fp32 profile: the probe is
         # about how the two slow each other, which the dtype barely changes)
         half = torch.float16 if opts.precision == "fp16" else torch.bfloat16
-        no_copy, lane, pinned_copy, probe_notes = measure_backward_probes(opt, backward_pass, opts.iters,
-                                                                          lane_elements, half, progress)
+        no_copy, lane, pinned_copy, probes_set_aside, probe_notes = measure_backward_probes(
+            opt, backward_pass, opts.iters, lane_elements, half, progress, gather=gather_ranks)
         notes += probe_notes
     finally:
         for h in handles:
@@ -327,7 +339,12 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                                   free_gib=round(gpu_total - peak, 3) if gpu_total else None)
     node = opts.node or (identity.gpu_info(0).name if cuda else f"cpu-{os.cpu_count()}c")
     overhead_s = Stat.of(overheads).median
-    note = steal_note(steal.share, "ZeRO-Offload's iterations were timed")
+    note = steal_note(timed_runs.share, "ZeRO-Offload's iterations were timed")
+    for aside, what in ((timed_runs.set_aside(), ("timed iteration", "timed iterations")),
+                        (probes_set_aside, ("round of the backward probes", "rounds of the backward probes"))):
+        text = set_aside_text(aside, what)
+        if text:
+            notes.append(f"{text}; the figures are the kept ones'")
     if note:
         notes.append(note)
     world, ranks = World.of_run(), []
@@ -349,7 +366,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
         pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
         backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam,
-        ds_unscale=ds_unscale, steal=steal.share, notes=notes)
+        ds_unscale=ds_unscale, steal=timed_runs.share, set_aside=timed_runs.set_aside(),
+        probes_set_aside=probes_set_aside, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

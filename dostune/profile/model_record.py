@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..stats import Stat
-from ..records import Record, load_record
+from ..records import Record, SetAside, load_record
 from .record import Series
 
 # 2: world and ranks (a profile measured under DeepSpeed's launcher). Version 1 profiles still load (one rank).
@@ -22,8 +22,9 @@ from .record import Series
 # 4: backward_pinned_copy (on a GPU: how much of page-locked gradient copies backward hides). Version 3 profiles take
 # that share from ZeRO-Offload's backward where it ran pinned, else take the copies whole.
 # 5: steal (the share of CPU time the hypervisor took while the iterations were timed). Older profiles load with none.
-MODEL_SCHEMA_VERSION = 5
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: set_aside, probes_set_aside (timed iterations and probe rounds set aside for steal). Older profiles load with none.
+MODEL_SCHEMA_VERSION = 6
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -149,6 +150,10 @@ class ModelProfile(Record):
     # v5. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
     # a miss of a prediction from this profile reads against it (None where /proc/stat has no steal)
     steal: Optional[float] = None
+    # v6. Timed iterations, and rounds of the backward probes, set aside because the hypervisor took from them (another
+    # ran in the place of each, host_steal.QuietRuns): the figures above are the kept ones', steal included
+    set_aside: Optional[SetAside] = None
+    probes_set_aside: Optional[SetAside] = None
     notes: list[str] = Field(default_factory=list)
 
     @property

@@ -77,6 +77,10 @@ class StepParts:
         self.steps.append((parts, {k: dict(v) for k, v in self._calls.items()}))
         return self.overhead(step_s)
 
+    def keep_steps(self, indices: list[int]) -> None:
+        """Keep only the closed steps at ``indices`` (those of the iterations a measurement kept, QuietRuns)."""
+        self.steps = [self.steps[i] for i in indices]
+
     def restore(self) -> None:
         for name, fn in self._orig.items():
             setattr(self.opt, name, fn)

@@ -8,9 +8,9 @@ from pydantic import Field
 from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
-# figure; 4: the host's steal in the model profile and in each validated run (every new field optional: older files
-# still parse)
-TUNE_SCHEMA_VERSION = 4
+# figure; 4: the host's steal in the model profile and in each validated run; 5: the timed iterations each set aside
+# for steal (every new field optional: older files still parse)
+TUNE_SCHEMA_VERSION = 5
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -84,6 +84,8 @@ class Validation(Record):
     predicted_peak_gpu_gib: Optional[float] = None
     # v4. The share of CPU time the hypervisor took during this run's timed iterations (bench's MethodResult.steal)
     measured_steal: Optional[float] = None
+    # v5. Timed iterations of this run set aside for steal, another run in the place of each (MethodResult.set_aside)
+    set_aside: Optional[int] = None
 
     def predicted(self, phase: str) -> Optional[float]:
         return getattr(self, f"predicted_{phase}_s")
@@ -134,6 +136,8 @@ class TuneResult(Record):
     validation_bench: Optional[str] = None  # the validation's measurements as a bench record (traced steps included)
     # v4. The share of CPU time the hypervisor took while the model profile timed its iterations (ModelProfile.steal)
     profile_steal: Optional[float] = None
+    # v5. The model profile's timed iterations set aside for steal (ModelProfile.set_aside)
+    profile_set_aside: Optional[int] = None
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -159,3 +163,8 @@ class TuneResult(Record):
         beside ``profile_steal``, whether the host was as quiet when the profile measured as when the runs did."""
         xs = [v.measured_steal for v in self.validation if v.measured_steal is not None]
         return sum(xs) / len(xs) if xs else None
+
+    def validation_set_aside(self) -> Optional[int]:
+        """The validated runs' timed iterations set aside for steal, all rows together (None where none recorded)."""
+        xs = [v.set_aside for v in self.validation if v.set_aside is not None]
+        return sum(xs) if xs else None

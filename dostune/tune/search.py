@@ -379,6 +379,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         trials=sum(1 for t in study.trials if t.state.name == "COMPLETE"), best=top[0], top=top[:5], closed_form=closed, ds_offload=ds_pred,
         ds_sub_group_size=ds_sgs, world=world.as_config(), host_budget_gib=space.host_budget_gib,
         profile_steal=model_p.steal if model_p else None,
+        profile_set_aside=model_p.set_aside.runs if model_p and model_p.set_aside else None,
         notes=list(opts.notes) + [n for n in space.coeffs.notes if n not in opts.notes])
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
                                opts.activation_checkpointing, world), space

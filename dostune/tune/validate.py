@@ -45,7 +45,8 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       predicted_peak_gpu_gib=predicted.peak_gpu_gib, measured_fwd_s=measured.fwd_s,
                       measured_bwd_s=measured.bwd_s, measured_step_s=measured.step_s,
                       measured_iter_s=measured.iter_s, measured_peak_gpu_gib=measured.peak_gpu_gib,
-                      measured_steal=measured.steal)
+                      measured_steal=measured.steal,
+                      set_aside=measured.set_aside.runs if measured.set_aside is not None else None)
 
 
 @dataclass

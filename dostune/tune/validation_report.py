@@ -1,8 +1,8 @@
 """The performance model checked across models: reads the tune.json of `dostune tune --validate` runs (one per
 model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
 ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between profile and validation
-(TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs
-where they recorded it.
+(TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs,
+and the timed iterations each set aside for it, where they recorded them.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DostuneError
+from ..host_steal import QUIET_BELOW
 from ..records import atomic_write_text, read_json_record
 from .record import TuneResult
 
@@ -45,6 +46,7 @@ def summarize(results: list[TuneResult]) -> list[dict]:
             out.append({"model": res.model, "params": res.params, "method": method, "rows": n, "iter": it,
                         "step": st, "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
                         "steal": (res.profile_steal, res.validation_steal()),
+                        "set_aside": (res.profile_set_aside, res.validation_set_aside()),
                         "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
     return out
 
@@ -60,20 +62,25 @@ def _ratio(x: Optional[float]) -> str:
 def markdown(rows: list[dict]) -> str:
     # results from before the steal was recorded keep their table as it was
     steal = any(x is not None for r in rows for x in r.get("steal", ()))
+    aside = any(x is not None for r in rows for x in r.get("set_aside", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})", "",
              "Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it, minutes "
              "before on the same host. Every row of that model holds a move of that size, whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
-                "and over the validated runs (docs/experiments.md, section 16)." if steal else ""), "",
+                "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
+             + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each run again "
+                "(docs/experiments.md, section 17)." if aside else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
-             + (" host steal, profile / runs |" if steal else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "")]
+             + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")]
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
                 f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
         if steal:
             line += f" {_pct(r['steal'][0])} / {_pct(r['steal'][1])} |"
+        if aside:
+            line += " " + " / ".join("-" if x is None else str(x) for x in r["set_aside"]) + " |"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
