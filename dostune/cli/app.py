@@ -123,12 +123,22 @@ app.command("bench", cls=_Command)(_bench.bench)
 app.command("check", cls=_Command)(_check.check)
 
 
-def main() -> None:
+def quiet_known_warnings() -> None:
+    """Warnings the libraries raise that say nothing to a dostune user, silenced for the CLI's processes (a bench
+    method's process takes the parent's filters)."""
     import warnings
 
     # torch.distributed's deprecation notices, raised from inside DeepSpeed on every step, drown the output.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.jit")
+    # DeepSpeed binds no device to a world of one on purpose (init_process_group's device_id makes every later group
+    # split NCCL's communicator), and torch then warns at the engine's first barrier, in every bench process
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                            category=UserWarning)
+
+
+def main() -> None:
+    quiet_known_warnings()
     app()
 
 

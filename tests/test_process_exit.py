@@ -1,0 +1,56 @@
+"""A dostune process ends quietly: the world of one it made for itself is closed before it exits (left open, NCCL
+prints a warning per process, eight in a `tune --validate`), and the CLI silences the warnings that say nothing to
+its user."""
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from dostune.cli.app import quiet_known_warnings
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# registered before ensure_distributed, so it runs after whatever that registers (atexit runs last in, first out)
+_CHILD = ("import atexit, torch.distributed as d\n"
+          "atexit.register(lambda: print('at exit:', d.is_initialized(), flush=True))\n"
+          "from dostune.train.engine import ensure_distributed\n"
+          "ensure_distributed()\n"
+          "print('running:', d.is_initialized(), flush=True)\n")
+
+
+def _run_child(**world) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in WORLD}
+    r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300,
+                       env={**env, "PYTHONPATH": str(ROOT), **world})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # DeepSpeed's CPU accelerator prints its op builds to stdout
+    return "".join(line for line in r.stdout.splitlines(keepends=True) if line.startswith(("running:", "at exit:")))
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_a_world_of_one_made_here_is_closed_at_exit():
+    assert _run_child() == "running: True\nat exit: False\n"
+
+
+def test_a_launchers_world_is_left_to_the_script():
+    out = _run_child(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    assert out == "running: True\nat exit: True\n"
+
+
+def test_the_cli_silences_torchs_barrier_device_warning_and_nothing_else():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("barrier(): using the device under current context. You can specify `device_id` in "
+                      "`init_process_group` to mute this warning.", UserWarning)
+        warnings.warn("barrier(): something else", UserWarning)
+        warnings.warn("an unrelated warning", UserWarning)
+    assert [str(w.message) for w in seen] == ["barrier(): something else", "an unrelated warning"]
