@@ -1,6 +1,7 @@
 """Long work keeps what it finished: every method's row reaches the disk as it completes, and a method whose
 process dies (the out-of-memory killer, a crash) becomes a row saying so while the others run."""
 import json
+import multiprocessing
 import signal
 
 import pytest
@@ -73,3 +74,40 @@ def test_a_method_killed_in_its_process_is_a_row_and_the_others_run(tmp_path, mo
     assert not z["ran"] and z["error"].startswith("killed by SIGKILL during 1 warm-up + 2 timed iterations")
     assert d["ran"] and d["iter_s"] > 0 and res["params"] > 0
     assert "did not run: zero-offload" in " ".join(r.output.split())
+
+
+class _StopsAtTheFirstPhase:
+    """The parent's progress display, where a stop lands: KeyboardInterrupt as the child reports its first phase."""
+
+    def start(self, description, total):
+        raise KeyboardInterrupt
+
+    def advance(self, n=1):
+        pass
+
+
+@pytest.mark.slow
+def test_a_stopped_method_ends_its_process(monkeypatch):
+    """A SIGTERM sent to the bench's process alone (turned into KeyboardInterrupt there) does not reach the child,
+    which must not go on measuring: it is terminated, not waited for."""
+    children = []
+    real = multiprocessing.get_context
+
+    class Recording:
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def __getattr__(self, name):
+            return getattr(self.ctx, name)
+
+        def Process(self, *args, **kwargs):
+            children.append(self.ctx.Process(*args, **kwargs))
+            return children[-1]
+
+    monkeypatch.setattr(isolate.mp, "get_context", lambda kind: Recording(real(kind)))
+    opts = bench_run.BenchOptions(model="bench_models:factory", micro_batch=2, seq=16, iters=2, warmup=1,
+                                  sub_group_size=2000)
+    with pytest.raises(KeyboardInterrupt):
+        isolate.run_isolated("zero-offload", opts, bench_run.method_offload("zero-offload", opts, None),
+                             _StopsAtTheFirstPhase())
+    assert len(children) == 1 and children[0].exitcode == -signal.SIGTERM

@@ -193,3 +193,67 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
             "over the validated runs (1 iteration set aside)") in out
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
+
+
+class StopsAt(FakeBench):
+    """FakeBench stopped as its ``at``-th call begins: by Ctrl-C (KeyboardInterrupt), or by ``signal`` sent to this
+    process; ``first_call`` sees the output directory as the first measurement starts."""
+
+    def __init__(self, scale, at, signal=None, first_call=lambda: None):
+        super().__init__(scale)
+        self.at, self.signal, self.first_call = at, signal, first_call
+
+    def __call__(self, name, spec, opts, offload, progress):
+        if not self.calls:
+            self.first_call()
+        if len(self.calls) == self.at:
+            if self.signal is None:
+                raise KeyboardInterrupt
+            import os
+
+            os.kill(os.getpid(), self.signal)
+        return super().__call__(name, spec, opts, offload, progress)
+
+
+def test_a_stopped_validation_keeps_the_rounds_that_finished(tuned):
+    # round 1: ZeRO-Offload, #1, #2 (FakeBench's third call fails: out of memory); round 2 reversed, #2 left out:
+    # #1, then ZeRO-Offload, stopped as it starts
+    run = validate(tuned, 2, seq=1024, rounds=2, runner=StopsAt((1.0, 1.0, 1.0), at=4), host_available=120 * 2**30)
+    assert run.stopped == ("validation stopped in round 2 of 2: each row pools the rounds its method finished "
+                           "(zero-offload 1, dostune #1 2, dostune #2 0)")
+    assert [v.label for v in run.rows] == ["zero-offload", "dostune #1"]
+    assert run.bench.methods["dostune #1"].round_iter_s and len(run.bench.methods["dostune #1"].round_iter_s) == 2
+    assert len(run.bench.methods["zero-offload"].round_iter_s) == 1 and not run.bench.methods["dostune #2"].ran
+    whole = validate(tuned, 2, seq=1024, rounds=2, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
+    assert whole.stopped is None
+
+
+def test_tune_validate_stopped_by_sigterm_writes_the_config_and_what_it_measured(tmp_path, monkeypatch):
+    import signal
+
+    from typer.testing import CliRunner
+
+    import dostune.tune.validate as validate_module
+    from dostune.cli.app import app
+
+    on_disk = []
+    bench = StopsAt((1.0, 1.0, 1.0), at=2, signal=signal.SIGTERM, first_call=lambda: on_disk.extend(
+        p.name for p in (tmp_path / "ds_config.json", tmp_path / "tune.json") if p.exists()))
+    real = validate_module.validate
+    monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
+    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
+        res, n, **kw, runner=bench, host_available=120 * 2**30))
+    before = signal.getsignal(signal.SIGTERM)
+    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", "2",
+                                 "--validate-rounds", "1"])
+    assert r.exit_code == 128 + signal.SIGTERM, r.output
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handler is gone with it
+    # the search's config and record were written before the first measurement began
+    assert on_disk == ["ds_config.json", "tune.json"]
+    res = TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    assert [v.label for v in res.validation] == ["zero-offload", "dostune #1"]
+    assert "validation stopped in round 1 of 1: each row pools the rounds its method finished (zero-offload 1, " \
+           "dostune #1 1, dostune #2 0)" in res.notes
+    assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
+    out = " ".join(r.output.split())
+    assert "stopped during the validation (SIGTERM): the config and tune.json are written" in out

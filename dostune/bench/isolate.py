@@ -103,6 +103,11 @@ def run_isolated(name: str, opts, offload: OffloadSettings, progress: ProgressSi
                 progress.advance(msg[1])
             elif msg[0] == "result":
                 result = MethodResult.model_validate_json(msg[1])
+    except KeyboardInterrupt:
+        # Stopped (Ctrl-C, or a SIGTERM the caller turned into one): the measurement is given up. Ctrl-C in a
+        # terminal reaches the child too, a signal sent to this process alone does not: it must not run on.
+        proc.terminate()
+        raise
     finally:
         proc.join(timeout=None if result is None else 60)
         if proc.is_alive():  # a result came but the child hangs on its way out (a stuck CUDA teardown)

@@ -20,7 +20,8 @@ from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
 from ..records import atomic_write_text, check_writable, read_json_record, save_record
 from ..tune.refit import TunedConfig
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
+from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout,
+                     stop_code, stop_signal, stop_signals)
 
 
 def render_bench(res: BenchResult) -> Table:
@@ -155,8 +156,13 @@ def bench(
 
     # under the launcher rank 0 alone shows progress and writes the result, which holds every rank's figures
     shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
-    with shown as progress, quiet_stdout():
-        res = run_bench(opts, progress, on_result=keep)
+    try:
+        with shown as progress, quiet_stdout(), stop_signals() as got:
+            res = run_bench(opts, progress, on_result=keep)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the methods that finished are on disk (keep)
+        err_console.print(f"[yellow]stopped[/] ({stop_signal(got).name}): {path} holds the methods that finished",
+                          highlight=False)
+        raise typer.Exit(stop_code(got))
     if rank() != 0:
         return
     keep(res)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
@@ -81,6 +83,35 @@ def handle_errors(fn: Callable) -> Callable:
             raise typer.Exit(130)
 
     return wrapper
+
+
+@contextmanager
+def stop_signals() -> Iterator[list[int]]:
+    """Within: SIGTERM (a job scheduler's stop, `timeout`'s) raises KeyboardInterrupt as Ctrl-C does, so that long
+    work which catches it keeps what it finished. Yields the list of the signals received; exit with
+    ``stop_code`` of it."""
+    got: list[int] = []
+
+    def stop(signum, frame):
+        got.append(signum)
+        raise KeyboardInterrupt
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def stop_signal(got: list[int]) -> signal.Signals:
+    """The signal that stopped a command: the first of ``got``, SIGINT (Ctrl-C) where none was caught."""
+    return signal.Signals(got[0] if got else signal.SIGINT)
+
+
+def stop_code(got: list[int]) -> int:
+    """The exit code of a command stopped by ``stop_signal(got)``: 128 + the signal, as a shell reports it."""
+    return 128 + stop_signal(got)
 
 
 def parse_fraction(text: str | float, option: str) -> float:

@@ -17,7 +17,7 @@ from ..profile.identity import cuda_available
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
 from ..tune.search import output_dir as tune_output_dir
 from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
-                     quiet_stdout)
+                     quiet_stdout, stop_code, stop_signal, stop_signals)
 
 
 def _f(x, fmt="{:.3f}", none="-"):
@@ -116,7 +116,8 @@ def tune(
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real, "
                                  "gradient clipping off as the model predicts, and report measured against predicted "
                                  "per phase (tune.json's validation, validation.png; the measurements themselves in "
-                                 "validation-bench.json)."),
+                                 "validation-bench.json). The config is written before it starts; Ctrl-C or SIGTERM "
+                                 "keeps the rounds that finished."),
     validate_rounds: int = typer.Option(2, min=1, help="With --validate: measure every method this many times, the "
                                         "order reversed every other round (as bench --rounds), each row the median "
                                         "of all its rounds' iterations. One process per row measures the host's "
@@ -175,21 +176,8 @@ def tune(
         need_deepspeed("dostune tune --validate")
     with RichProgress() as progress:
         res, ds_config, space = run_tune(opts, progress)
-        if validate:
-            from ..tune.validate import validate as run_validation
-
-            with quiet_stdout():
-                run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters,
-                                     rounds=validate_rounds, progress=progress,
-                                     activation_checkpointing=activation_checkpointing)
-            res.validation = run.rows
     out = tune_output_dir(opts)
-    if validate:
-        res.validation_bench = str(save_record(run.bench, out / "validation-bench.json"))
-    if res.validation:
-        from ..tune.validation_figure import plot_validation
-
-        res.validation_figure = str(plot_validation(res, out / "validation.png"))
+    # the search's result is on disk before a validation starts: one stopped half-way loses neither
     cfg_path = atomic_write_text(out / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
     save_record(res, out / "tune.json")
     best = res.best
@@ -201,6 +189,23 @@ def tune(
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
                         f"{best.sub_group_size:.3g}, {gpu_count(best.subgroups, sched.gpu_fraction)}/{best.subgroups} "
                         "subgroups on the GPU")
+    stopped = None
+    if validate:
+        from ..tune.validate import validate as run_validation
+
+        with RichProgress() as progress, quiet_stdout(), stop_signals() as got:
+            run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters, rounds=validate_rounds,
+                                 progress=progress, activation_checkpointing=activation_checkpointing)
+        res.validation = run.rows
+        res.validation_bench = str(save_record(run.bench, out / "validation-bench.json"))
+        if run.stopped:
+            res.notes.append(run.stopped)
+            stopped = got
+        if res.validation:
+            from ..tune.validation_figure import plot_validation
+
+            res.validation_figure = str(plot_validation(res, out / "validation.png"))
+        save_record(res, out / "tune.json")
     for note in res.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     err_console.print(render_trials(res))
@@ -243,3 +248,8 @@ def tune(
                       f"timeline {png}")
     if json_out:
         print_json(res)
+    if stopped is not None:
+        err_console.print(f"[yellow]stopped[/] during the validation ({stop_signal(stopped).name}): the config and "
+                          "tune.json are written, tune.json's validation holds the rounds that finished",
+                          highlight=False)
+        raise typer.Exit(stop_code(stopped))

@@ -53,6 +53,8 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
 class ValidationRun:
     rows: list[Validation]  # predicted beside measured, one per method that ran (tune.json's validation)
     bench: BenchResult  # every method's pooled measurement, as dostune bench records it
+    # None when every round finished; else what was stopped and what the rows hold (a line for tune.json's notes)
+    stopped: Optional[str] = None
 
 
 def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int = 2, rounds: int = 2,
@@ -60,7 +62,8 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
              runner: Optional[Runner] = None, host_available: Optional[int] = None) -> ValidationRun:
     """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, ``iters`` iterations each in each of
     ``rounds`` rounds (the order reversed every other round). ``runner``: how a method is measured (default:
-    ``dostune bench``'s, which needs a CUDA GPU)."""
+    ``dostune bench``'s, which needs a CUDA GPU). A KeyboardInterrupt while measuring stops it: the rounds that
+    finished are kept, and ``stopped`` says what the rows hold."""
     if rounds < 1 or iters < 1 or warmup < 0:
         raise DostuneError(f"validation needs at least 1 round, 1 iteration and no negative warm-up, got {rounds}, "
                            f"{iters} and {warmup}",
@@ -93,13 +96,21 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int =
                                   schedule=sched.model_copy(update={"trace": True}))
         jobs.append((f"dostune #{k + 1}", "dostune", offload, rec.sub_group_size, rec.schedule, rec.predicted))
     runs: dict[str, list[MethodResult]] = {job[0]: [] for job in jobs}
-    for r in range(rounds):
-        sink = RoundProgress(progress, f"round {r + 1}/{rounds}: ") if rounds > 1 else progress
-        for label, method, offload, *_ in (jobs if r % 2 == 0 else jobs[::-1]):
-            if runs[label] and not runs[label][-1].ran:  # failed once (out of memory, say): it would again
-                continue
-            runs[label].append(runner(method, spec, opts, offload, sink))
-    pooled = {label: pool_rounds(results) for label, results in runs.items()}
+    stopped, r = None, 0
+    try:
+        for r in range(rounds):
+            sink = RoundProgress(progress, f"round {r + 1}/{rounds}: ") if rounds > 1 else progress
+            for label, method, offload, *_ in (jobs if r % 2 == 0 else jobs[::-1]):
+                if runs[label] and not runs[label][-1].ran:  # failed once (out of memory, say): it would again
+                    continue
+                runs[label].append(runner(method, spec, opts, offload, sink))
+    except KeyboardInterrupt:
+        # Ctrl-C, or a SIGTERM the caller turned into one: the method being measured is given up, the rounds that
+        # finished are kept, so minutes of measurement are not lost with it
+        done = ", ".join(f"{label} {sum(x.ran for x in results)}" for label, results in runs.items())
+        stopped = (f"validation stopped in round {r + 1} of {rounds}: each row pools the rounds its method finished "
+                   f"({done})")
+    pooled = {label: pool_rounds(results) for label, results in runs.items() if results}
     rows = [row(label, method, sgs, schedule, predicted, pooled[label])
-            for label, method, _, sgs, schedule, predicted in jobs if pooled[label].ran]
-    return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled))
+            for label, method, _, sgs, schedule, predicted in jobs if label in pooled and pooled[label].ran]
+    return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled), stopped=stopped)
