@@ -6,6 +6,9 @@ and the timed iterations each set aside for it, where they recorded them.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
+With --repredict, the rows are the same measurements beside what today's model predicts from the same profiles
+(tune/repredict.py), instead of the predictions recorded with the model of the validation's day.
+
 Exit status 0 when every model is within the bounds, 1 when one is not (the table says which), 2 on a bad file.
 """
 from __future__ import annotations
@@ -59,12 +62,15 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], repredicted: bool = False) -> str:
     # results from before the steal was recorded keep their table as it was
     steal = any(x is not None for r in rows for x in r.get("steal", ()))
     aside = any(x is not None for r in rows for x in r.get("set_aside", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
-             f"step <= {STEP_BOUND:.0%})", "",
+             f"step <= {STEP_BOUND:.0%})"
+             + (", re-predicted by today's model from each validation's profiles (python -m "
+                "dostune.tune.validation_report --repredict): shapes the model was since changed for are not unseen"
+                if repredicted else ""), "",
              "Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it, minutes "
              "before on the same host. Every row of that model holds a move of that size, whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
@@ -89,13 +95,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dostune.tune.validation_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="tune.json files written by dostune tune --validate")
     ap.add_argument("--output", type=Path, help="also write the table to this file")
+    ap.add_argument("--repredict", action="store_true", help="put today's model's predictions, from each "
+                    "validation's own profiles, beside its measurements (tune/repredict.py)")
     args = ap.parse_args(argv)
     try:
-        rows = summarize([load(p) for p in args.results])
+        results = [load(p) for p in args.results]
+        if args.repredict:
+            from .repredict import repredict_file
+
+            results = [repredict_file(p, r) for p, r in zip(args.results, results)]
+        rows = summarize(results)
     except DostuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = markdown(rows)
+    text = markdown(rows, repredicted=args.repredict)
     print(text, end="")
     if args.output is not None:
         atomic_write_text(args.output, text)

@@ -1,0 +1,72 @@
+"""Validations re-predicted by the performance model as it is now: every row a `dostune tune --validate` measured,
+beside the prediction today's model makes from the same two profiles.
+
+A validation records the predictions of the model of its day. The model changes (docs/performance-model.md), and
+whether a change helps shows on the rows already measured: re-predicted, they say how today's model would have
+done, while the measurements stay what they were. Rows of a shape the model was changed for are not unseen any
+more; only a validation run with the model as it was then is a check on shapes it has not seen.
+
+The profiles are found as `tune` recorded them or, where those paths are gone (a validation measured on another
+machine), in the layout of the committed results (results/h100/heldout-*/): ``MODEL-profile.json`` beside
+``MODEL.json``, and the node profile the ``node-*.json`` there created last before that model profile (each machine
+profiled itself, then its models).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ProfileError
+from ..optim.schedule import REMOVED_KEYS, ScheduleConfig
+from .record import TuneResult, Validation
+from .search import TuneOptions, build_space, zero_offload_times
+
+
+def _created(path: Path) -> str:
+    return json.loads(path.read_text()).get("created") or ""
+
+
+def profiles_of(result: TuneResult, path: Path) -> tuple[Path, Path]:
+    """(node profile, model profile) of the validation in ``path``."""
+    node, model = Path(result.node_profile), Path(result.model_profile) if result.model_profile else None
+    if node.is_file() and model is not None and model.is_file():
+        return node, model
+    model = path.with_name(f"{path.stem}-profile.json")
+    if not model.is_file():
+        raise ProfileError(f"{path}: its model profile is neither at {result.model_profile} nor at {model}")
+    made = _created(model)
+    nodes = sorted((_created(p), p) for p in path.parent.glob("node*.json") if _created(p) <= made)
+    if not nodes:
+        raise ProfileError(f"{path}: no node profile beside it created before its model profile {model.name}")
+    return nodes[-1][1], model
+
+
+def repredict(result: TuneResult, node: Path, model_profile: Path) -> TuneResult:
+    """``result`` with every validated row's predictions (and ZeRO-Offload's) made again by today's model from
+    ``node`` and ``model_profile``; the measurements as they were."""
+    opts = TuneOptions(model=result.model, profile=node, model_profile=model_profile, micro_batch=result.micro_batch,
+                       precision=result.precision)
+    space, *_, inputs = build_space(opts)
+    zero_offload = zero_offload_times(space.zero_offload(), inputs)
+    rows = []
+    for v in result.validation:
+        if v.method == "zero-offload":
+            p = zero_offload
+            times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.peak_gpu_gib)
+        else:
+            # a schedule key that has since been removed was off in every validated schedule (its default)
+            sched = ScheduleConfig.model_validate({k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS})
+            p = space.predict_schedule(v.sub_group_size, sched)
+            times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.memory.peak_gpu_gib)
+        rows.append(v.model_copy(update={f"predicted_{k}_s" if k != "peak" else "predicted_peak_gpu_gib": x
+                                         for k, x in times.items()}))
+    return result.model_copy(update={"validation": rows, "ds_offload": zero_offload})
+
+
+def repredict_file(path: "str | Path", result: Optional[TuneResult] = None) -> TuneResult:
+    from .validation_report import load
+
+    path = Path(path)
+    result = result or load(path)
+    return repredict(result, *profiles_of(result, path))
