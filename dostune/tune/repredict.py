@@ -56,7 +56,8 @@ def repredict(result: TuneResult, node: Path, model_profile: Path) -> TuneResult
             times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.peak_gpu_gib)
         else:
             # a schedule key that has since been removed was off in every validated schedule (its default)
-            sched = ScheduleConfig.model_validate({k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS})
+            kept = {k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS}
+            sched = ScheduleConfig.model_validate(kept)
             p = space.predict_schedule(v.sub_group_size, sched)
             times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.memory.peak_gpu_gib)
         rows.append(v.model_copy(update={f"predicted_{k}_s" if k != "peak" else "predicted_peak_gpu_gib": x

@@ -75,8 +75,8 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
              "before on the same host. Every row of that model holds a move of that size, whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
                 "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
-             + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each run again "
-                "(docs/experiments.md, section 17)." if aside else ""), "",
+             + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each "
+                "run again (docs/experiments.md, section 17)." if aside else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
              + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")]
