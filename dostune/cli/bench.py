@@ -156,8 +156,12 @@ def bench(
 
     # under the launcher rank 0 alone shows progress and writes the result, which holds every rank's figures
     shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
+    # A world of one measures each method in a process of its own, which a SIGTERM must stop too (stop_signals makes
+    # it a KeyboardInterrupt that bench/isolate.py passes on). A launcher's ranks measure in place and keep the
+    # default SIGTERM: a rank waiting in a collective for a dead peer would not run a Python handler until it timed out.
+    stops = stop_signals() if World.of_run().size == 1 else contextlib.nullcontext([])
     try:
-        with shown as progress, quiet_stdout(), stop_signals() as got:
+        with shown as progress, quiet_stdout(), stops as got:
             res = run_bench(opts, progress, on_result=keep)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the methods that finished are on disk (keep)
         err_console.print(f"[yellow]stopped[/] ({stop_signal(got).name}): {path} holds the methods that finished",
