@@ -19,8 +19,8 @@ from typing import Optional
 
 from ..errors import ProfileError
 from ..optim.schedule import REMOVED_KEYS, ScheduleConfig
-from .record import TuneResult, Validation
-from .search import TuneOptions, build_space, zero_offload_times
+from .record import TuneResult
+from .search import TuneOptions, build_space, predicted_times, zero_offload_times
 
 
 def _created(path: Path) -> str:
@@ -36,7 +36,7 @@ def profiles_of(result: TuneResult, path: Path) -> tuple[Path, Path]:
     if not model.is_file():
         raise ProfileError(f"{path}: its model profile is neither at {result.model_profile} nor at {model}")
     made = _created(model)
-    nodes = sorted((_created(p), p) for p in path.parent.glob("node*.json") if _created(p) <= made)
+    nodes = sorted((when, p) for p in path.parent.glob("node*.json") if (when := _created(p)) <= made)
     if not nodes:
         raise ProfileError(f"{path}: no node profile beside it created before its model profile {model.name}")
     return nodes[-1][1], model
@@ -53,15 +53,13 @@ def repredict(result: TuneResult, node: Path, model_profile: Path) -> TuneResult
     for v in result.validation:
         if v.method == "zero-offload":
             p = zero_offload
-            times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.peak_gpu_gib)
         else:
             # a schedule key that has since been removed was off in every validated schedule (its default)
             kept = {k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS}
-            sched = ScheduleConfig.model_validate(kept)
-            p = space.predict_schedule(v.sub_group_size, sched)
-            times = dict(fwd=p.fwd_s, bwd=p.bwd_s, step=p.step_s, iter=p.iter_s, peak=p.memory.peak_gpu_gib)
-        rows.append(v.model_copy(update={f"predicted_{k}_s" if k != "peak" else "predicted_peak_gpu_gib": x
-                                         for k, x in times.items()}))
+            p = predicted_times(space.predict_schedule(v.sub_group_size, ScheduleConfig.model_validate(kept)))
+        rows.append(v.model_copy(update=dict(predicted_fwd_s=p.fwd_s, predicted_bwd_s=p.bwd_s,
+                                             predicted_step_s=p.step_s, predicted_iter_s=p.iter_s,
+                                             predicted_peak_gpu_gib=p.peak_gpu_gib)))
     return result.model_copy(update={"validation": rows, "ds_offload": zero_offload})
 
 

@@ -158,7 +158,8 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
     return space, node_p, node_path, model_p, model_path, m
 
 
-def _times(p: Prediction) -> PredictedTimes:
+def predicted_times(p: Prediction) -> PredictedTimes:
+    """A schedule's prediction in the record's form (tune.json's trials and validated rows)."""
     s, mem, b = p.step, p.memory, p.backward
     return PredictedTimes(fwd_s=p.fwd_s, bwd_s=p.bwd_s, step_s=p.step_s, iter_s=p.iter_s, lanes_s=s.lanes_s,
                           overhead_s=s.overhead_s, cpu_busy_s=s.cpu_busy_s, h2d_busy_s=s.h2d_busy_s,
@@ -182,7 +183,8 @@ def zero_offload_times(z: ZeroOffloadPrediction, m: ModelInputs) -> PredictedTim
 
 def trial_record(space: Space, c: Candidate, p: Prediction, number: Optional[int] = None) -> TrialRecord:
     return TrialRecord(number=number, sub_group_size=c.sub_group_size, subgroups=len(p.sizes),
-                       schedule=p.schedule.model_dump(exclude_none=True), predicted=_times(p), feasible=space.feasible(p))
+                       schedule=p.schedule.model_dump(exclude_none=True), predicted=predicted_times(p),
+                       feasible=space.feasible(p))
 
 
 def _sampler(name: str, seed: int):
