@@ -21,6 +21,7 @@ from ..errors import ProfileError
 from ..optim.schedule import REMOVED_KEYS, ScheduleConfig
 from .record import TuneResult
 from .search import TuneOptions, build_space, predicted_times, zero_offload_times
+from .validation_report import load
 
 
 def _created(path: Path) -> str:
@@ -64,8 +65,6 @@ def repredict(result: TuneResult, node: Path, model_profile: Path) -> TuneResult
 
 
 def repredict_file(path: "str | Path", result: Optional[TuneResult] = None) -> TuneResult:
-    from .validation_report import load
-
     path = Path(path)
     result = result or load(path)
     return repredict(result, *profiles_of(result, path))
