@@ -57,7 +57,7 @@ class ValidationRun:
     stopped: Optional[str] = None
 
 
-def validate(result: TuneResult, n: int, seq: int, iters: int = 5, warmup: int = 2, rounds: int = 2,
+def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int = 2, rounds: int = 2,
              progress: Optional[ProgressSink] = None, activation_checkpointing: bool = False,
              runner: Optional[Runner] = None, host_available: Optional[int] = None) -> ValidationRun:
     """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, ``iters`` iterations each in each of
