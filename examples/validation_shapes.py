@@ -13,7 +13,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b; results/h100/heldout-5/), added before any run of them;
   looked at since (docs/experiments.md, section 16);
 * the sixth (gpt2_1_0b, llama_1_2b, llama_1_8b, gpt2_2_0b; results/h100/heldout-6/), added before any run of them,
-  the first measured with iterations set aside for steal (host_steal.QuietRuns).
+  the first measured with iterations set aside for steal (host_steal.QuietRuns); llama_1_8b has not run yet;
+* the seventh (gpt2_0_7b, llama_1_1b, gpt2_1_4b, llama_1_6b), added before any run of them, to be measured with 12
+  iterations per round (docs/experiments.md, section 18).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -65,6 +67,13 @@ SHAPES = {
     "llama_1_8b": DecoderConfig("llama", layers=22, hidden=2688, heads=21, vocab=32000, max_positions=4096, ffn=7168,
                                 kv_heads=3),
     "gpt2_2_0b": DecoderConfig("gpt2", layers=26, hidden=2432, heads=19, vocab=50304, max_positions=1024),
+    # the seventh set
+    "gpt2_0_7b": DecoderConfig("gpt2", layers=15, hidden=1856, heads=29, vocab=50304, max_positions=1024),
+    "llama_1_1b": DecoderConfig("llama", layers=16, hidden=2176, heads=17, vocab=32000, max_positions=2048, ffn=5888,
+                                kv_heads=17),
+    "gpt2_1_4b": DecoderConfig("gpt2", layers=21, hidden=2240, heads=28, vocab=50304, max_positions=1024),
+    "llama_1_6b": DecoderConfig("llama", layers=24, hidden=2432, heads=38, vocab=32000, max_positions=2048, ffn=6400,
+                                kv_heads=2),
 }
 
 
