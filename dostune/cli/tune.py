@@ -125,7 +125,7 @@ def tune(
     validate_iters: int = typer.Option(12, min=1, help="With --validate: timed iterations per method and round, "
                                        "after 2 of warm-up. A schedule that overlaps backward ends in a short step "
                                        "that swings 2x from one iteration to the next: 12 in each of 2 rounds hold a "
-                                       "row's median step to about 6% (8 iterations, to about 10%)."),
+                                       "row's median step to about 6%, where 4 held it to about 10%."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
                                            "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
                                            "slots=N of each hostfile line). One rank per GPU; the model predicts one "
