@@ -70,7 +70,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 6 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 7 and prof.offload_pin_memory is True and prof.offload_pinned
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set
@@ -85,6 +85,9 @@ def test_schema_3_measures_the_models_coefficients(prof):
     lane = prof.backward_lane
     assert lane.threads >= 1 and lane.elements == 65_536 and lane.lane_beside_s.n >= 1
     assert lane.lane_alone_s.median > 0 and lane.backward_s.n == 2
+    # v7: the lane alone timed in its own thread too, every update after the untimed first
+    from dostune.profile.backward_probes import LANE_THREAD_UPDATES
+    assert lane.lane_alone_thread_s.n == LANE_THREAD_UPDATES and lane.lane_alone_thread_s.median > 0
     assert set(PROLOGUE) | {"_post_step", "engine"} <= set(prof.step_parts_s)
     assert all(v >= 0 for v in prof.step_parts_s.values())
     sizes = [s.numel for s in prof.subgroups]

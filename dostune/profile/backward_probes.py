@@ -61,6 +61,11 @@ def copy_gradients_pinned(opt, scratch: torch.Tensor) -> Callable:
     return partition
 
 
+# updates timed by LaneLoad.alone_in_thread: a 10M-element update took 2-9 ms on the H100 hosts, so 50 cost under half
+# a second
+LANE_THREAD_UPDATES = 50
+
+
 class LaneLoad:
     """dostune's CPU-lane kernel (out-of-place CPU Adam: half-precision gradients in, fp32 states and half-precision
     parameters out, streaming stores) on a scratch subgroup of ``elements``, round after round in a worker thread while
@@ -84,6 +89,8 @@ class LaneLoad:
         self.scalars = shadow.scalars(1e-4, 1e-8, 0.01, True, True)
         self.spans: list[tuple[float, float]] = []
         self._stop = threading.Event()
+        self._done = threading.Event()  # alone_in_thread's updates are in
+        self._limit: Optional[int] = None
         self._thread: Optional[threading.Thread] = None
         self._switch: Optional[float] = None
 
@@ -94,16 +101,36 @@ class LaneLoad:
     def alone(self, repeats: int) -> Stat:
         return time_cpu(self.update, repeats)
 
+    def alone_in_thread(self, updates: int) -> Stat:
+        """``updates`` updates with nothing else running, timed in the worker thread under the lane's GIL switch
+        interval while this thread waits (after one untimed): the lane's own conditions, against ``alone``'s main
+        thread. Both are recorded until an A/B against training's traces picks one (docs/experiments.md, section
+        19)."""
+        self.spans.clear()
+        self._limit = updates + 1
+        try:
+            with self:
+                self._done.wait()
+        finally:
+            self._limit = None
+        timed = [b - a for a, b in self.spans[1:]]
+        self.spans.clear()
+        return Stat.of(timed)
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self.update()
-            self.spans.append((t0, time.perf_counter()))
+        try:
+            while not self._stop.is_set() and (self._limit is None or len(self.spans) < self._limit):
+                t0 = time.perf_counter()
+                self.update()
+                self.spans.append((t0, time.perf_counter()))
+        finally:  # whatever ended the loop, a waiting alone_in_thread goes on
+            self._done.set()
 
     def __enter__(self) -> "LaneLoad":
         from ..optim.overlap import LANE_SWITCH_INTERVAL_S
 
         self._stop.clear()
+        self._done.clear()
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, LANE_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="dostune-lane-probe", daemon=True)
@@ -166,6 +193,7 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
                          "uses its documented fallbacks")
             lane = None
         lane_alone = lane.alone(repeats) if lane is not None else None
+        lane_alone_thread = lane.alone_in_thread(LANE_THREAD_UPDATES) if lane is not None else None
         # The probes take turns, pass by pass (no copies, page-locked copies, beside the lane; again): the model takes
         # their differences, and on the H100 hosts a llama 2B backward without copies read 0.327 s in a block of five
         # passes before the page-locked block read 0.223 s, a host that sped up between them, not copies that help.
@@ -202,7 +230,8 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
             notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
             return no_copy, None, copied, set_aside, notes
         return no_copy, BackwardLaneProfile(
-            threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone, lane_beside_s=Stat.of(beside),
+            threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone,
+            lane_alone_thread_s=lane_alone_thread, lane_beside_s=Stat.of(beside),
             backward_s=Stat.of([b - a for a, b in windows])), copied, set_aside, notes
     finally:
         opt.partition_grads = before

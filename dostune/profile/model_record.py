@@ -23,8 +23,10 @@ from .record import Series
 # that share from ZeRO-Offload's backward where it ran pinned, else take the copies whole.
 # 5: steal (the share of CPU time the hypervisor took while the iterations were timed). Older profiles load with none.
 # 6: set_aside, probes_set_aside (timed iterations and probe rounds set aside for steal). Older profiles load with none.
-MODEL_SCHEMA_VERSION = 6
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# 7: backward_lane.lane_alone_thread_s (the lane alone, timed in its worker thread; recorded beside lane_alone_s, which
+# the model reads, for an A/B). Older profiles load with none.
+MODEL_SCHEMA_VERSION = 7
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -71,6 +73,9 @@ class BackwardLaneProfile(Record):
     threads: int = Field(ge=1)  # the lane's OpenMP threads (the CPU lane's default during backward)
     elements: int = Field(gt=0)  # one update of the scratch subgroup
     lane_alone_s: Stat  # one update, nothing else running
+    # v7: the same, timed in the worker thread under the lane's GIL switch interval while the main thread waits (not
+    # read by the model: docs/experiments.md, section 19)
+    lane_alone_thread_s: Optional[Stat] = None
     lane_beside_s: Stat  # one update that started and ended while backward ran
     backward_s: Stat  # backward while the lane worked throughout
 
