@@ -89,8 +89,7 @@ class LaneLoad:
         self.scalars = shadow.scalars(1e-4, 1e-8, 0.01, True, True)
         self.spans: list[tuple[float, float]] = []
         self._stop = threading.Event()
-        self._done = threading.Event()  # alone_in_thread's updates are in
-        self._limit: Optional[int] = None
+        self._limit: Optional[int] = None  # alone_in_thread's updates: the worker ends itself after them
         self._thread: Optional[threading.Thread] = None
         self._switch: Optional[float] = None
 
@@ -110,7 +109,7 @@ class LaneLoad:
         self._limit = updates + 1
         try:
             with self:
-                self._done.wait()
+                self._thread.join()
         finally:
             self._limit = None
         timed = [b - a for a, b in self.spans[1:]]
@@ -118,19 +117,15 @@ class LaneLoad:
         return Stat.of(timed)
 
     def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and (self._limit is None or len(self.spans) < self._limit):
-                t0 = time.perf_counter()
-                self.update()
-                self.spans.append((t0, time.perf_counter()))
-        finally:  # whatever ended the loop, a waiting alone_in_thread goes on
-            self._done.set()
+        while not self._stop.is_set() and (self._limit is None or len(self.spans) < self._limit):
+            t0 = time.perf_counter()
+            self.update()
+            self.spans.append((t0, time.perf_counter()))
 
     def __enter__(self) -> "LaneLoad":
         from ..optim.overlap import LANE_SWITCH_INTERVAL_S
 
         self._stop.clear()
-        self._done.clear()
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, LANE_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="dostune-lane-probe", daemon=True)
