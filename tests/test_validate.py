@@ -87,6 +87,17 @@ def test_validate_rounds_alternate_the_order_and_pool_every_round(tuned):
     assert sorted(run.bench.methods) == ["dostune #1", "dostune #2", "zero-offload"]
     assert run.bench.methods["dostune #1"].samples["iter"] == pytest.approx([0.49, 0.49 * 1.1, 0.49 * 1.2])
     assert not run.bench.methods["dostune #2"].ran and run.bench.methods["dostune #2"].error == "out of memory"
+    # each row keeps its rounds' own medians, each round a fresh process: how far the measurement moved between them
+    assert rows[0].measured_round_step_s == pytest.approx([1.14, 1.14 * 1.1, 1.14 * 1.2])
+    assert rows[1].measured_round_iter_s == pytest.approx([0.49, 0.49 * 1.1, 0.49 * 1.2])
+    assert rows[1].round_spread("iter") == pytest.approx(0.2) and rows[0].round_spread("step") == pytest.approx(0.2)
+    res = tuned.model_copy(update={"validation": rows})
+    assert res.round_spread("step", "dostune") == pytest.approx(0.2)
+    assert "| rounds apart |" in validation_report.markdown(validation_report.summarize([res]))
+    assert "| 20.0% / 20.0% |" in validation_report.markdown(validation_report.summarize([res]))
+    one_round = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
+    assert one_round.rows[0].round_spread("iter") is None
+    assert tuned.model_copy(update={"validation": one_round.rows}).round_spread("iter") is None
     with pytest.raises(DostuneError, match="at least 1 round"):
         validate(tuned, 1, seq=1024, rounds=0, runner=bench, host_available=120 * 2**30)
 
@@ -128,7 +139,8 @@ def test_figure_record_and_report(tuned, tmp_path):
     old["schema_version"] = 2
     for v in old["validation"]:
         for k in ("method", "predicted_fwd_s", "predicted_bwd_s", "measured_fwd_s", "measured_bwd_s",
-                  "predicted_peak_gpu_gib", "measured_steal", "set_aside"):
+                  "predicted_peak_gpu_gib", "measured_steal", "set_aside", "measured_round_iter_s",
+                  "measured_round_step_s"):
             del v[k]
     del old["validation_figure"], old["profile_steal"], old["profile_set_aside"]
     assert TuneResult.model_validate(old).median_iter_error is not None
@@ -162,6 +174,7 @@ def test_figure_record_and_report(tuned, tmp_path):
     # results from before the steal was recorded keep the table they had
     old_rows = validation_report.summarize([TuneResult.model_validate(old)])
     assert "host steal" not in validation_report.markdown(old_rows)
+    assert "rounds apart" not in text and "rounds apart" not in validation_report.markdown(old_rows)
     assert "set aside" not in validation_report.markdown(old_rows)
     no_zo = again.model_copy(update={"validation": [v for v in again.validation if v.method == "dostune"]})
     assert no_zo.host_drift() is None
@@ -193,6 +206,28 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
             "over the validated runs (1 iteration set aside)") in out
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
+
+
+def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatch):
+    """Two rounds, each method in a fresh process twice: the command says how far the same schedule moved between
+    them (FakeBench's host runs 10% slower on a method's second call)."""
+    from typer.testing import CliRunner
+
+    import dostune.tune.validate as validate_module
+    from dostune.cli.app import app
+
+    real = validate_module.validate
+    monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
+    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
+        res, n, **kw, runner=FakeBench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
+    # FakeBench's #2 runs out of memory in its first round and is left out
+    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", "2",
+                                 "--validate-rounds", "2"])
+    assert r.exit_code == 0, r.output
+    res = TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    assert [len(v.measured_round_iter_s) for v in res.validation] == [2, 2]
+    assert ("rounds apart (median over rows, slowest round over fastest, iteration / step): dostune 10.0% / 10.0%, "
+            "zero-offload 10.0% / 10.0%; the same schedule measured in separate processes") in " ".join(r.output.split())
 
 
 class StopsAt(FakeBench):

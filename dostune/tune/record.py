@@ -9,8 +9,8 @@ from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
 # figure; 4: the host's steal in the model profile and in each validated run; 5: the timed iterations each set aside
-# for steal (every new field optional: older files still parse)
-TUNE_SCHEMA_VERSION = 5
+# for steal; 6: each validated row's per-round medians (every new field optional: older files still parse)
+TUNE_SCHEMA_VERSION = 6
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -86,6 +86,10 @@ class Validation(Record):
     measured_steal: Optional[float] = None
     # v5. Timed iterations of this run set aside for steal, another run in the place of each (MethodResult.set_aside)
     set_aside: Optional[int] = None
+    # v6. The median iteration and step of each round that ran, in the order run: every round runs the method in a
+    # fresh process, so these say how far the same schedule moves from one process to the next
+    measured_round_iter_s: Optional[list[float]] = None
+    measured_round_step_s: Optional[list[float]] = None
 
     def predicted(self, phase: str) -> Optional[float]:
         return getattr(self, f"predicted_{phase}_s")
@@ -95,6 +99,14 @@ class Validation(Record):
 
     def error(self, phase: str) -> Optional[float]:
         return relative_error(self.predicted(phase), self.measured(phase))
+
+    def round_spread(self, phase: str) -> Optional[float]:
+        """How much longer ``phase`` (iter or step) took in this row's slowest round than in its fastest, as a
+        share of the fastest (None with fewer than two rounds recorded)."""
+        xs = getattr(self, f"measured_round_{phase}_s")
+        if not xs or len(xs) < 2 or min(xs) <= 0:
+            return None
+        return max(xs) / min(xs) - 1.0
 
     @property
     def iter_error(self) -> Optional[float]:
@@ -157,6 +169,12 @@ class TuneResult(Record):
         if zo is None or not zo.predicted(phase) or zo.measured(phase) is None:
             return None
         return zo.measured(phase) / zo.predicted(phase)
+
+    def round_spread(self, phase: str = "iter", method: Optional[str] = None) -> Optional[float]:
+        """The median over the validated rows (of one ``method``, or all) of how far their rounds, each a fresh
+        process running the same schedule, were apart in ``phase`` (Validation.round_spread). A prediction cannot be
+        held closer than the measurement agrees with itself (docs/experiments.md, section 20)."""
+        return median(v.round_spread(phase) for v in self.validation if method is None or v.method == method)
 
     def validation_steal(self) -> Optional[float]:
         """The mean share of CPU time the hypervisor took over the validated runs (None where none was recorded):

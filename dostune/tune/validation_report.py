@@ -2,7 +2,8 @@
 model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
 ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between profile and validation
 (TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs,
-and the timed iterations each set aside for it, where they recorded them.
+and the timed iterations each set aside for it, and how far each row's rounds (each a fresh process) were apart,
+where they recorded them.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
@@ -50,6 +51,7 @@ def summarize(results: list[TuneResult]) -> list[dict]:
                         "step": st, "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
                         "steal": (res.profile_steal, res.validation_steal()),
                         "set_aside": (res.profile_set_aside, res.validation_set_aside()),
+                        "rounds_apart": (res.round_spread("iter", method), res.round_spread("step", method)),
                         "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
     return out
 
@@ -66,6 +68,7 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
     # results from before the steal was recorded keep their table as it was
     steal = any(x is not None for r in rows for x in r.get("steal", ()))
     aside = any(x is not None for r in rows for x in r.get("set_aside", ()))
+    apart = any(x is not None for r in rows for x in r.get("rounds_apart", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})"
              + (", re-predicted by today's model from each validation's profiles (python -m "
@@ -76,10 +79,15 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
                 "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
              + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each "
-                "run again (docs/experiments.md, section 17)." if aside else ""), "",
+                "run again (docs/experiments.md, section 17)." if aside else "")
+             + (" Rounds apart: per row, its slowest round over its fastest, each round a fresh process running the "
+                "same schedule; the median over the model's rows, iteration / step. Errors of that size are the "
+                "measurement's own (docs/experiments.md, section 20)." if apart else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
-             + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")]
+             + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else "")
+             + (" rounds apart |" if apart else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")
+             + ("---|" if apart else "")]
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
                 f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
@@ -87,6 +95,8 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
             line += f" {_pct(r['steal'][0])} / {_pct(r['steal'][1])} |"
         if aside:
             line += " " + " / ".join("-" if x is None else str(x) for x in r["set_aside"]) + " |"
+        if apart:
+            line += f" {_pct(r['rounds_apart'][0])} / {_pct(r['rounds_apart'][1])} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
