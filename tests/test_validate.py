@@ -181,8 +181,9 @@ def test_figure_record_and_report(tuned, tmp_path):
     assert validation_report.main([str(tmp_path / "missing.json")]) == 2
 
 
-def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypatch):
-    """The command's lines after a validation, with FakeBench's made-up measurements where no GPU is."""
+def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int):
+    """`dostune tune --validate N` with FakeBench's made-up measurements where no GPU is: its output on one line,
+    and the tune.json it wrote."""
     from typer.testing import CliRunner
 
     import dostune.tune.validate as validate_module
@@ -192,12 +193,16 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
     monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
         res, n, **kw, runner=FakeBench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
-    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", "1",
-                                 "--validate-rounds", "1"])
+    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", str(n),
+                                 "--validate-rounds", str(rounds)])
     assert r.exit_code == 0, r.output
-    res = TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    return " ".join(r.output.split()), TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+
+
+def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypatch):
+    """The command's lines after a validation."""
+    out, res = _tune_validate(tmp_path, monkeypatch, 1, 1)
     assert [v.method for v in res.validation] == ["zero-offload", "dostune"]
-    out = " ".join(r.output.split())
     assert f"zero-offload: median prediction error, iteration {res.median_error('iter', 'zero-offload'):.1%}" in out
     assert (f"host drift since the model profile: ZeRO-Offload ran {res.host_drift():.2f}x its profiled iteration "
             f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size") in out
@@ -205,29 +210,18 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
             "over the validated runs (1 iteration set aside)") in out
+    assert "rounds apart" not in out  # one round: nothing to compare
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
 
 
 def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatch):
     """Two rounds, each method in a fresh process twice: the command says how far the same schedule moved between
-    them (FakeBench's host runs 10% slower on a method's second call)."""
-    from typer.testing import CliRunner
-
-    import dostune.tune.validate as validate_module
-    from dostune.cli.app import app
-
-    real = validate_module.validate
-    monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
-    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
-        res, n, **kw, runner=FakeBench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
-    # FakeBench's #2 runs out of memory in its first round and is left out
-    r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", "2",
-                                 "--validate-rounds", "2"])
-    assert r.exit_code == 0, r.output
-    res = TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    them (FakeBench's host runs 10% slower on a method's second call; its #2 runs out of memory in its first round
+    and is left out)."""
+    out, res = _tune_validate(tmp_path, monkeypatch, 2, 2)
     assert [len(v.measured_round_iter_s) for v in res.validation] == [2, 2]
     assert ("rounds apart (median over rows, slowest round over fastest, iteration / step): dostune 10.0% / 10.0%, "
-            "zero-offload 10.0% / 10.0%; the same schedule measured in separate processes") in " ".join(r.output.split())
+            "zero-offload 10.0% / 10.0%; the same schedule measured in separate processes") in out
 
 
 class StopsAt(FakeBench):
