@@ -220,8 +220,9 @@ def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatc
     and is left out)."""
     out, res = _tune_validate(tmp_path, monkeypatch, 2, 2)
     assert [len(v.measured_round_iter_s) for v in res.validation] == [2, 2]
-    assert ("rounds apart (median over rows, slowest round over fastest, iteration / step): dostune 10.0% / 10.0%, "
-            "zero-offload 10.0% / 10.0%; the same schedule measured in separate processes") in out
+    assert ("rounds apart (median over rows of how much longer the slowest round took than the fastest, "
+            "iteration / step): dostune 10.0% / 10.0%, zero-offload 10.0% / 10.0%; the same schedule measured in "
+            "separate processes") in out
 
 
 class StopsAt(FakeBench):

@@ -230,9 +230,9 @@ def tune(
         if spreads:
             # each round is a fresh process running the same schedule: how far they disagree is the measurement's own
             # spread, which no prediction can beat (docs/experiments.md, section 20)
-            err_console.print("rounds apart (median over rows, slowest round over fastest, iteration / step): "
-                              + ", ".join(spreads) + "; the same schedule measured in separate processes",
-                              highlight=False)
+            err_console.print("rounds apart (median over rows of how much longer the slowest round took than the "
+                              "fastest, iteration / step): " + ", ".join(spreads)
+                              + "; the same schedule measured in separate processes", highlight=False)
         prof_steal, val_steal = res.profile_steal, res.validation_steal()
         if prof_steal is not None or val_steal is not None:
             # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured

@@ -80,9 +80,9 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
                 "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
              + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each "
                 "run again (docs/experiments.md, section 17)." if aside else "")
-             + (" Rounds apart: per row, its slowest round over its fastest, each round a fresh process running the "
-                "same schedule; the median over the model's rows, iteration / step. Errors of that size are the "
-                "measurement's own (docs/experiments.md, section 20)." if apart else ""), "",
+             + (" Rounds apart: per row, how much longer its slowest round took than its fastest, each round a fresh "
+                "process running the same schedule; the median over the model's rows, iteration / step. Errors of "
+                "that size are the measurement's own (docs/experiments.md, section 20)." if apart else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
              + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else "")
              + (" rounds apart |" if apart else ""),
