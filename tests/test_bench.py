@@ -119,7 +119,7 @@ def _fake(name: str, iters: list[float], peak: float, ran: bool = True):
                         bwd_s=st["bwd"].median, step_s=st["step"].median, iter=st["iter"], fwd=st["fwd"],
                         bwd=st["bwd"], step=st["step"], peak_gpu_gib=peak, phase_peak_gib={"fwd": peak, "step": 1.0},
                         update_gelem_s=2.0, final_loss=1.5, losses=[2.0, 1.5], samples=samples,
-                        round_iter_s=[st["iter"].median])
+                        round_iter_s=[st["iter"].median], round_step_s=[st["step"].median])
 
 
 def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
@@ -128,6 +128,7 @@ def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
     p = pool_rounds([a, b])
     assert p.iter_s == 3.5 and p.iter.n == 6 and p.iter.lo == 1.0 and p.iter.hi == 6.0
     assert p.samples["iter"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and p.round_iter_s == [2.0, 5.0]
+    assert p.round_step_s == [0.5, 1.25]  # v6: each round's median step kept beside its iteration
     assert p.step_s == 3.5 / 4 and p.peak_gpu_gib == 7.0 and p.phase_peak_gib == {"fwd": 7.0, "step": 1.0}
     assert p.update_gelem_s == pytest.approx(2.0 * 0.5 / (3.5 / 4), abs=1e-3)  # same elements, pooled step time
     assert pool_rounds([a]) is a
@@ -190,11 +191,11 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     data["schema_version"] = 1
     del data["rounds"]
     for m in data["methods"].values():
-        del m["samples"], m["round_iter_s"]
+        del m["samples"], m["round_iter_s"], m["round_step_s"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_bench(tmp_path / "old.json")
     assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
-    data["schema_version"] = 6  # a newer dostune's
+    data["schema_version"] = 7  # a newer dostune's
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")

@@ -44,7 +44,8 @@ class FakeBench:
         aside = SetAside(runs=k, steal=[0.05] * k, seconds=[1.0] * k)  # and as many iterations set aside for it
         return MethodResult(method=name, description="", iter_s=samples["iter"][0], fwd_s=samples["fwd"][0],
                             bwd_s=samples["bwd"][0], step_s=samples["step"][0], peak_gpu_gib=20.0, samples=samples,
-                            round_iter_s=samples["iter"], steal=steal, round_steal=[steal], set_aside=aside)
+                            round_iter_s=samples["iter"], round_step_s=samples["step"], steal=steal,
+                            round_steal=[steal], set_aside=aside)
 
 
 def test_validate_records_every_phase_of_zero_offload_and_each_schedule(tuned):

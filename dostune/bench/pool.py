@@ -48,6 +48,7 @@ def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
         peak_gpu_gib=max(peaks) if peaks else None, phase_peak_gib=phase_peak,
         allocated_before_gib=max(before) if before else None,
         update_gelem_s=round(rate, 3) if rate else None, timeline=rounds[-1].timeline, samples=samples,
-        round_iter_s=[x for r in rounds for x in r.round_iter_s], round_steal=steal,
+        round_iter_s=[x for r in rounds for x in r.round_iter_s],
+        round_step_s=[x for r in rounds for x in r.round_step_s], round_steal=steal,
         steal=round(sum(steal) / len(steal), 4) if steal else None,
         set_aside=SetAside.of([r.set_aside for r in rounds])))

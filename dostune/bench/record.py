@@ -10,9 +10,9 @@ from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
 # the launcher. 4: each method's share of CPU time the hypervisor took (steal). 5: the timed iterations set aside for
-# steal. Older records still load: the new fields take their defaults.
-BENCH_SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# steal. 6: each round's median step. Older records still load: the new fields take their defaults.
+BENCH_SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 BENCH_KIND = "dostune.bench"
 
 
@@ -55,6 +55,7 @@ class MethodResult(Record):
     # Seconds of every timed iteration, per phase (fwd, bwd, step, iter), all rounds in the order they ran.
     samples: dict[str, list[float]] = Field(default_factory=dict)
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
+    round_step_s: list[float] = Field(default_factory=list)  # v6. median step time of each round
     # v4. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
     # the rounds' mean, and each round's (None, empty where /proc/stat has no steal, or in older records)
     steal: Optional[float] = None

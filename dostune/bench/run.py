@@ -254,7 +254,7 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         if m["phase_peaks"] else {},
                         update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
                         losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
-                        round_iter_s=[m["iter"].median], steal=m["steal"],
+                        round_iter_s=[m["iter"].median], round_step_s=[m["step"].median], steal=m["steal"],
                         round_steal=[m["steal"]] if m["steal"] is not None else [], set_aside=m["set_aside"])
 
 

@@ -225,8 +225,8 @@ def tune(
             step = f" (step {step_drift:.2f}x)" if step_drift is not None else ""
             err_console.print(f"host drift since the model profile: ZeRO-Offload ran {drift:.2f}x its profiled "
                               f"iteration{step}; every error above holds a move of that size", highlight=False)
-        spreads = [(m, res.round_spread("iter", m), res.round_spread("step", m)) for m in ("dostune", "zero-offload")]
-        spreads = [f"{m} {it:.1%} / {st:.1%}" for m, it, st in spreads if it is not None and st is not None]
+        apart = [(m, res.round_spread("iter", m), res.round_spread("step", m)) for m in ("dostune", "zero-offload")]
+        spreads = [f"{m} {it:.1%} / {st:.1%}" for m, it, st in apart if it is not None and st is not None]
         if spreads:
             # each round is a fresh process running the same schedule: how far they disagree is the measurement's own
             # spread, which no prediction can beat (docs/experiments.md, section 20)

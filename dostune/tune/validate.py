@@ -37,10 +37,9 @@ Runner = Callable[[str, ModelSpec, BenchOptions, OffloadSettings, ProgressSink],
 
 
 def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], predicted: PredictedTimes,
-        measured: MethodResult, rounds: tuple[MethodResult, ...] = ()) -> Validation:
-    """One validated row: the prediction's phases beside the measured medians (``measured``, pooled over
-    ``rounds``, whose own medians the row keeps)."""
-    ran = [r for r in rounds if r.ran and r.iter_s is not None and r.step_s is not None]
+        measured: MethodResult) -> Validation:
+    """One validated row: the prediction's phases beside the measured medians, pooled over the rounds, and each
+    round's own medians."""
     return Validation(label=label, method=method, sub_group_size=sub_group_size, schedule=schedule,
                       predicted_fwd_s=predicted.fwd_s, predicted_bwd_s=predicted.bwd_s,
                       predicted_step_s=predicted.step_s, predicted_iter_s=predicted.iter_s,
@@ -49,8 +48,8 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       measured_iter_s=measured.iter_s, measured_peak_gpu_gib=measured.peak_gpu_gib,
                       measured_steal=measured.steal,
                       set_aside=measured.set_aside.runs if measured.set_aside is not None else None,
-                      measured_round_iter_s=[r.iter_s for r in ran] or None,
-                      measured_round_step_s=[r.step_s for r in ran] or None)
+                      measured_round_iter_s=measured.round_iter_s or None,
+                      measured_round_step_s=measured.round_step_s or None)
 
 
 @dataclass
@@ -115,6 +114,6 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
         stopped = (f"validation stopped in round {r + 1} of {rounds}: each row pools the rounds its method finished "
                    f"({done})")
     pooled = {label: pool_rounds(results) for label, results in runs.items() if results}
-    rows = [row(label, method, sgs, schedule, predicted, pooled[label], tuple(runs[label]))
+    rows = [row(label, method, sgs, schedule, predicted, pooled[label])
             for label, method, _, sgs, schedule, predicted in jobs if label in pooled and pooled[label].ran]
     return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled), stopped=stopped)
