@@ -1,6 +1,6 @@
 """A dostune process ends quietly: the world of one it made for itself is closed before it exits (left open, NCCL
-prints a warning per process, eight in a `tune --validate`), and the CLI silences the warnings that say nothing to
-its user."""
+prints a warning per process, eight in a `tune --validate`), a launcher's world is closed by a command that succeeded
+(left open, a gloo rank can abort at exit), and the CLI silences the warnings that say nothing to its user."""
 import os
 import socket
 import subprocess
@@ -21,13 +21,20 @@ _CHILD = ("import atexit, torch.distributed as d\n"
           "print('running:', d.is_initialized(), flush=True)\n")
 
 
-def _run_child(**world) -> str:
+def _run_child(*cli_args: str, **world) -> str:
+    """The child joins or makes a world; with ``cli_args`` it then runs that dostune command, whose exit code is
+    returned in the output."""
     env = {k: v for k, v in os.environ.items() if k not in WORLD}
-    r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300,
+    code = _CHILD
+    if cli_args:
+        code += ("import sys\nfrom dostune.cli.app import app\n"
+                 f"try:\n    app(args={list(cli_args)!r}, prog_name='dostune')\n"
+                 "except SystemExit as e:\n    print('exit code:', e.code, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**env, "PYTHONPATH": str(ROOT), **world})
     assert r.returncode == 0, r.stderr[-3000:]
     # DeepSpeed's CPU accelerator prints its op builds to stdout
-    return "".join(line for line in r.stdout.splitlines(keepends=True) if line.startswith(("running:", "at exit:")))
+    return "".join(line for line in r.stdout.splitlines(keepends=True) if line.startswith(("running:", "exit code:", "at exit:")))
 
 
 def _free_port() -> str:
@@ -43,6 +50,14 @@ def test_a_world_of_one_made_here_is_closed_at_exit():
 def test_a_launchers_world_is_left_to_the_script():
     out = _run_child(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
     assert out == "running: True\nat exit: True\n"
+
+
+def test_a_launchers_world_is_closed_by_a_command_that_succeeded_and_only_then():
+    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    out = _run_child("--version", **launcher, MASTER_PORT=_free_port())
+    assert out == "running: True\nexit code: 0\nat exit: False\n"
+    out = _run_child("tune", "--trials", "0", **launcher, MASTER_PORT=_free_port())  # refused: exit 2
+    assert out == "running: True\nexit code: 2\nat exit: True\n"
 
 
 def test_the_cli_silences_torchs_barrier_device_warning_and_nothing_else():

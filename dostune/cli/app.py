@@ -81,7 +81,20 @@ class _Group(_FlagHelp, TyperGroup):
         except typer.Abort:  # Ctrl-C at a prompt (typer bundles its own click: its Abort lives here)
             err_console.print("aborted")
             sys.exit(1)
-        sys.exit(rv if isinstance(rv, int) else 0)
+        code = rv if isinstance(rv, int) else 0
+        if code == 0:
+            _leave_launchers_world()
+        sys.exit(code)
+
+
+def _leave_launchers_world() -> None:
+    """Closed only on success: a rank that failed may leave peers inside a collective, which closing could wait
+    on."""
+    if "torch.distributed" not in sys.modules:  # a command that never touched torch.distributed
+        return
+    from ..train.engine import leave_launchers_world
+
+    leave_launchers_world()
 
 
 app = typer.Typer(

@@ -41,11 +41,26 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
     if own_world:
         # The world of one is this process's to close. Left open, NCCL prints a three-line warning at exit
         # ("destroy_process_group() was not called"), once for every process: a `tune --validate` runs eight. A
-        # launcher's world is left to the script that joined it, since closing it waits for every rank.
-        atexit.register(_leave_own_world)
+        # launcher's world is closed only by a command that succeeded (cli.app): a failed rank may leave peers
+        # inside a collective, which closing could wait on.
+        global _own_world
+        _own_world = True
+        atexit.register(_leave_world)
 
 
-def _leave_own_world() -> None:
+_own_world = False  # whether ensure_distributed made this process's world (then it is closed at exit)
+
+
+def leave_launchers_world() -> None:
+    """Close the world a launcher made, once this rank's command has succeeded. Left open, gloo's worker threads
+    outlive the interpreter and a rank can abort at exit ("terminate called without an active exception", exit
+    -6) after its work is done; seen on two CPU ranks. A world of one made here stays open for the process's next
+    command and is closed at exit."""
+    if not _own_world:
+        _leave_world()
+
+
+def _leave_world() -> None:
     import torch.distributed as tdist
 
     if tdist.is_initialized():
