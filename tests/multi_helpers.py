@@ -57,32 +57,3 @@ def _train_both(config: str, model: str, steps: int, seq: int, out: str) -> None
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     _train_both(args[0], args[1], int(args[2]), int(args[3]), args[4])
-
-
-def rank_report(rank: int, world: int, port: int, sub_group_size: int, conn) -> None:
-    """One rank of a world spawned without the launcher (the environment it would set, gloo over 127.0.0.1):
-    the subgroup sizes DeepSpeed's ZeRO-3 engine forms for OddLM, and a model profile measured on every rank."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")  # CPU ranks, on a GPU machine too
-    torch.set_num_threads(1)
-    try:
-        from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config
-        from dostune.models.registry import resolve_model
-        from dostune.profile.model import ModelProfileOptions, measure_model
-        from dostune.train.engine import build_engine, free_engine_memory
-
-        spec = resolve_model("multi_helpers:odd_factory")
-        cfg = deepspeed_config(TrainSettings(micro_batch=2), OffloadSettings(sub_group_size=sub_group_size))
-        engine = build_engine(spec, cfg, use_dostune=False)
-        sizes = [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel]
-        engine.destroy()
-        del engine
-        free_engine_memory()
-        prof = measure_model(ModelProfileOptions(model="multi_helpers:odd_factory", micro_batch=2, seq=8,
-                                                 sub_group_size=sub_group_size, iters=2, warmup=0, node="cpu"))
-        conn.send(("ok", sizes, prof.model_dump_json()))
-    except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}", None))
-    finally:
-        conn.close()

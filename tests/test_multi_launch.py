@@ -6,7 +6,6 @@ The ranks run with OMP_NUM_THREADS=1: four ranks of two OpenMP threads each on a
 slower, and a rank's thread count changes no result here (ours and the reference use the same). They are CPU ranks on
 a GPU machine too (no CUDA device visible, DeepSpeed's CPU accelerator)."""
 import json
-import multiprocessing as mp
 import os
 import socket
 import subprocess
@@ -65,62 +64,39 @@ def _tiny_config(tmp_path: Path, *world: str, name: str = "tiny") -> Path:
     return out
 
 
-def test_subgroups_and_model_profile_on_two_ranks_match_deepspeeds_partitions():
-    """DeepSpeed pads every parameter's partition to ceil(numel / world) (partition_parameters._aligned_size) and
-    closes a subgroup once it holds sub_group_size elements (stage3._create_fp16_sub_groups): the sizes dostune
-    predicts for a rank are the sizes the engine builds, on a model whose parameters all have odd sizes. The model
-    profile measured on both ranks holds both ranks' phases and rank 0's partition. Spawned with the environment
-    the launcher sets (the launcher's own start-up would add half a minute)."""
-    sys.path.insert(0, str(HERE))
-    from multi_helpers import rank_report
+def test_model_profile_under_the_launcher_is_one_file_with_deepspeeds_partitions_of_every_rank(tmp_path):
+    """`deepspeed --num_gpus 2 --module dostune.profile --model M` (the launcher's entry point itself): both ranks
+    measure their partition and rank 0 alone writes one model profile, named for the world it ran in (the name
+    `dostune tune --num-gpus 2` looks for), with both ranks' phases and the slowest rank's as the profile's.
+    The model's parameters all have odd sizes: DeepSpeed pads every parameter's partition to ceil(numel / world)
+    (partition_parameters._aligned_size) and closes a subgroup once it holds sub_group_size elements
+    (stage3._create_fp16_sub_groups), and the sizes dostune predicts for a rank are the sizes the engine built
+    (the profile reads them off DeepSpeed's optimizer)."""
+    from dostune.profile.model_record import load_model_profile
 
     spec = resolve_model("multi_helpers:odd_factory")
     numels = param_numels(spec)
     assert all(n % 2 for n in numels)
     sgs = 2_000
-    ctx, port, out = mp.get_context("spawn"), _port(), []
-    procs = []
-    for rank in range(2):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=rank_report, args=(rank, 2, port, sgs, send))
-        p.start()
-        send.close()
-        procs.append((p, recv))
-    for p, recv in procs:
-        out.append(recv.recv())
-        p.join(60)
-    assert all(kind == "ok" for kind, *_ in out), out
-    expected = subgroup_sizes(numels, sgs, world_size=2)
-    assert expected != subgroup_sizes(numels, sgs, world_size=1) and len(expected) > 2
-    for _, sizes, _ in out:
-        assert sizes == expected
-    assert model_subgroups(spec, sgs, 2) == len(expected)
-    from dostune.profile.model_record import ModelProfile
-
-    prof = ModelProfile.model_validate_json(out[0][2])
-    assert (prof.world.nodes, prof.world.gpus_per_node) == (1, 2) and [r.rank for r in prof.ranks] == [0, 1]
-    assert [s.numel for s in prof.subgroups] == expected
-    for ph in ("fwd", "bwd", "step"):
-        assert prof.phases[ph].time_s.median == max(r.phases[ph].time_s.median for r in prof.ranks)
-
-
-def test_model_profile_under_the_launcher_is_one_file_with_every_rank(tmp_path):
-    """`deepspeed --num_gpus 2 --module dostune.profile --model M` (the launcher's entry point itself): both ranks
-    measure their partition and rank 0 alone writes one model profile, named for the world it ran in (the name
-    `dostune tune --num-gpus 2` looks for), with both ranks' phases and the slowest rank's as the profile's."""
-    from dostune.profile.model_record import load_model_profile
-
-    out, = _finish(_launch("--num_gpus", "2", "--master_port", str(_port()), "--module", "dostune.profile",
-                           "--model", "gpt2-tiny", "--micro-batch", "2", "--seq", "16", "--iters", "2",
-                           "--name", "cpu", cwd=tmp_path))
+    env = _env() | {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                             str(_port()), "--module", "dostune.profile", "--model", "multi_helpers:odd_factory",
+                             "--micro-batch", "2", "--seq", "8", "--iters", "2", "--sub-group-size", str(sgs),
+                             "--name", "cpu"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out, = _finish(proc)
     files = sorted(tmp_path.rglob("*.json"))
-    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["runs/profiles/cpu-gpt2-tiny-b2-s16-1x2.json"], \
-        out[-3000:]
+    assert len(files) == 1 and files[0].parent.relative_to(tmp_path).as_posix() == "runs/profiles" and \
+        files[0].name.endswith("-b2-s8-1x2.json"), out[-3000:]
     assert out.count("model profile written to") == 1
     prof = load_model_profile(files[0])
     assert (prof.world.nodes, prof.world.gpus_per_node) == (1, 2) and [r.rank for r in prof.ranks] == [0, 1]
     for ph in ("fwd", "bwd", "step"):
         assert prof.phases[ph].time_s.median == max(r.phases[ph].time_s.median for r in prof.ranks)
+    expected = subgroup_sizes(numels, sgs, world_size=2)
+    assert expected != subgroup_sizes(numels, sgs, world_size=1) and len(expected) > 2
+    assert [s.numel for s in prof.subgroups] == expected
+    assert model_subgroups(spec, sgs, 2) == len(expected)
 
 
 def _metrics(tmp_path: Path, name: str, ranks: int) -> list[list[float]]:

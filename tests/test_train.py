@@ -227,42 +227,43 @@ def test_cli_train_help_mentions_the_launcher():
     assert r.exit_code == 0 and "deepspeed --num_gpus 2 --module dostune.train" in " ".join(r.stdout.split())
 
 
-def _launch_two_ranks(tmp_path, cfg, name: str, *extra: str) -> list[list[dict]]:
+def _launch_two_ranks(tmp_path, cfg, runs: dict[str, tuple[str, ...]]) -> dict[str, list[list[dict]]]:
+    """One launch of 2 ranks for each entry of ``runs`` (metrics name -> extra `dostune train` options), all at once:
+    each rank's logged steps, by name."""
     import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    metrics = tmp_path / f"{name}.jsonl"
-    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                        str(port), "--module", "dostune.train", "--config", str(cfg), "--model", "gpt2-tiny",
-                        "--steps", "3", "--seq", "16", "--metrics", str(metrics), *extra],
-                       env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [[json.loads(line) for line in p.read_text().splitlines()]
-            for p in (metrics, tmp_path / f"{name}.rank1.jsonl")]
-
-
-def test_two_ranks_through_deepspeeds_launcher(tmp_path):
-    """Data-parallel ZeRO-3 with the interleaved optimizer on each rank, launched the documented way (gloo on
-    a CPU machine). Each rank logs its own steps; the gradient norm is global, so the ranks must agree on it
-    while their losses (different micro-batches) differ."""
-    ranks = _launch_two_ranks(tmp_path, write_config(tmp_path), "m")
-    assert [len(x) for x in ranks] == [3, 3]
-    assert [x["grad_norm"] for x in ranks[0]] == [x["grad_norm"] for x in ranks[1]]
-    assert [x["loss"] for x in ranks[0]] != [x["loss"] for x in ranks[1]]
+    procs = {}
+    for name, extra in runs.items():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+             "--module", "dostune.train", "--config", str(cfg), "--model", "gpt2-tiny", "--steps", "3", "--seq", "16",
+             "--metrics", str(tmp_path / f"{name}.jsonl"), *extra],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, p in procs.items():
+        out = p.communicate(timeout=400)[0]
+        assert p.returncode == 0, f"{name}: {out[-5000:]}"
+    return {name: [[json.loads(line) for line in f.read_text().splitlines()]
+                   for f in (tmp_path / f"{name}.jsonl", tmp_path / f"{name}.rank1.jsonl")] for name in runs}
 
 
 @pytest.mark.slow
-def test_two_ranks_with_overlap_match_plain_deepspeed(tmp_path):
-    """overlap_backward on every rank: each rank speculates on its own partition, all commit on the same
-    global norm; the per-rank losses equal plain DeepSpeed's."""
+def test_two_ranks_through_deepspeeds_launcher_match_plain_deepspeed(tmp_path):
+    """Data-parallel ZeRO-3 with the interleaved optimizer on each rank, launched the documented way (gloo on a CPU
+    machine), overlap_backward on: each rank speculates on its own partition and all commit on the same global
+    norm. Each rank logs its own steps; the gradient norm is global, so the ranks agree on it while their losses
+    (different micro-batches) differ, and each rank's losses equal plain DeepSpeed's."""
     cfg = write_config(tmp_path, ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True))
-    ours = _launch_two_ranks(tmp_path, cfg, "ours")
-    ref = _launch_two_ranks(tmp_path, cfg, "ref", "--plain-deepspeed")
+    runs = _launch_two_ranks(tmp_path, cfg, {"ours": (), "ref": ("--plain-deepspeed",)})
+    ours, ref = runs["ours"], runs["ref"]
+    assert [len(x) for x in ours] == [3, 3]
+    assert [x["grad_norm"] for x in ours[0]] == [x["grad_norm"] for x in ours[1]]
+    assert [x["loss"] for x in ours[0]] != [x["loss"] for x in ours[1]]
     for a, b in zip(ours, ref):
         assert [x["loss"] for x in a] == [x["loss"] for x in b]
         assert [x["grad_norm"] for x in a] == [x["grad_norm"] for x in b]
