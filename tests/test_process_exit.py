@@ -27,14 +27,15 @@ def _run_child(*cli_args: str, **world) -> str:
     env = {k: v for k, v in os.environ.items() if k not in WORLD}
     code = _CHILD
     if cli_args:
-        code += ("import sys\nfrom dostune.cli.app import app\n"
+        code += ("from dostune.cli.app import app\n"
                  f"try:\n    app(args={list(cli_args)!r}, prog_name='dostune')\n"
                  "except SystemExit as e:\n    print('exit code:', e.code, flush=True)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**env, "PYTHONPATH": str(ROOT), **world})
     assert r.returncode == 0, r.stderr[-3000:]
     # DeepSpeed's CPU accelerator prints its op builds to stdout
-    return "".join(line for line in r.stdout.splitlines(keepends=True) if line.startswith(("running:", "exit code:", "at exit:")))
+    return "".join(line for line in r.stdout.splitlines(keepends=True)
+                   if line.startswith(("running:", "exit code:", "at exit:")))
 
 
 def _free_port() -> str:

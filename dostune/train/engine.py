@@ -20,11 +20,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_own_world = False  # whether ensure_distributed made this process's world (then it is closed at exit)
+
+
 def ensure_distributed(timeout_s: Optional[float] = None) -> None:
     """Initialise torch.distributed through DeepSpeed. Under ``deepspeed``/``torchrun`` the launcher has set
     RANK/WORLD_SIZE; a plain ``python`` or ``dostune`` process becomes a world of one. ``timeout_s`` bounds every
     collective (a dead or hung rank makes the others' collectives fail after it); None keeps DeepSpeed's default.
     A process group that exists already keeps its timeout."""
+    global _own_world
     import deepspeed
     import deepspeed.comm as dist
 
@@ -43,12 +47,8 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         # ("destroy_process_group() was not called"), once for every process: a `tune --validate` runs eight. A
         # launcher's world is closed only by a command that succeeded (cli.app): a failed rank may leave peers
         # inside a collective, which closing could wait on.
-        global _own_world
         _own_world = True
         atexit.register(_leave_world)
-
-
-_own_world = False  # whether ensure_distributed made this process's world (then it is closed at exit)
 
 
 def leave_launchers_world() -> None:
