@@ -14,3 +14,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# DeepSpeed 0.19's CPU accelerator gives every rank of a world of several a 66 MiB shared-memory buffer for its
+# all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) and never unlinks it: each multi-rank test left two in /dev/shm,
+# which is memory. Run after run they filled the machine until the CI gate's workers ran out of it. The buffers this
+# session's worlds made go when it ends; their processes have ended by then.
+_SHM = "/dev/shm"
+_SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _ds_shm_buffers() -> set[str]:
+    try:
+        return {n for n in os.listdir(_SHM) if n.startswith(_SHM_PREFIX)}
+    except OSError:  # no /dev/shm (not Linux)
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_deepspeeds_shared_memory_buffers():
+    before = _ds_shm_buffers()
+    yield
+    for name in _ds_shm_buffers() - before:
+        try:
+            os.unlink(os.path.join(_SHM, name))
+        except OSError:
+            pass
