@@ -153,6 +153,19 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
         gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=bad))
 
 
+def test_a_worker_killed_before_a_request_is_named_with_its_signal(tmp_path):
+    """Writing to a worker that is gone raised "Broken pipe", which said nothing; the kernel's out-of-memory killer
+    sends SIGKILL."""
+    w = gate._Worker("current", gate.package_root(), gate.GateSettings(), slow=False, logdir=tmp_path)
+    w.proc.kill()
+    w.proc.wait()
+    with pytest.raises(gate.GateError, match=r"current worker stopped \(killed by SIGKILL, as the kernel does when "
+                                             r"memory runs out\)"):
+        for _ in range(3):  # the first writes can land in the pipe's buffer
+            w.ask("step 1")
+    w.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_slowdown_switch_wraps_the_cpu_lane_once_and_changes_no_result(monkeypatch, overlap):

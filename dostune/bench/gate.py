@@ -244,16 +244,28 @@ class _Worker:
             raise GateError(f"the gate's {self.name} worker did not answer within {timeout_s:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait()
-            self._err.flush()
-            tail = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-1:] or ["(no output)"]
-            raise GateError(f"the gate's {self.name} worker stopped (exit {self.proc.returncode}): {tail[0][:300]}")
+            raise self._stopped()
         return json.loads(line)
 
     def ask(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it had stopped already: say how, not "Broken pipe"
+            raise self._stopped() from None
         return self.read()
+
+    def _stopped(self) -> GateError:
+        import signal
+
+        self.proc.wait()
+        self._err.flush()
+        tail = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-1:] or ["(no output)"]
+        code = self.proc.returncode
+        how = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+        if code == -signal.SIGKILL:
+            how += ", as the kernel does when memory runs out"
+        return GateError(f"the gate's {self.name} worker stopped ({how}): {tail[0][:300]}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
