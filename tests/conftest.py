@@ -17,9 +17,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # DeepSpeed 0.19's CPU accelerator gives every rank of a world of several a 66 MiB shared-memory buffer for its
-# all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) and never unlinks it: each multi-rank test left two in /dev/shm,
-# which is memory. Run after run they filled the machine until the CI gate's workers ran out of it. The buffers this
-# session's worlds made go when it ends; their processes have ended by then.
+# all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) and never unlinks it; /dev/shm is memory. A rank that exits
+# through Python removes its own (train.engine), but the fault tests kill ranks, and before that removal run after
+# run filled the machine until the CI gate's workers ran out of memory. The buffers this session's worlds made go
+# when it ends; their processes have ended by then.
 _SHM = "/dev/shm"
 _SHM_PREFIX = "deepspeed_allreduce_buffer_"
 

@@ -258,8 +258,13 @@ def test_two_ranks_through_deepspeeds_launcher_match_plain_deepspeed(tmp_path):
     machine), overlap_backward on: each rank speculates on its own partition and all commit on the same global
     norm. Each rank logs its own steps; the gradient norm is global, so the ranks agree on it while their losses
     (different micro-batches) differ, and each rank's losses equal plain DeepSpeed's."""
+    from conftest import _ds_shm_buffers
+
     cfg = write_config(tmp_path, ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True))
+    shm = _ds_shm_buffers()
     runs = _launch_two_ranks(tmp_path, cfg, {"ours": (), "ref": ("--plain-deepspeed",)})
+    # DeepSpeed's CPU all-reduce buffers (one per rank) are gone with their ranks (train.engine)
+    assert _ds_shm_buffers() - shm == set()
     ours, ref = runs["ours"], runs["ref"]
     assert [len(x) for x in ours] == [3, 3]
     assert [x["grad_norm"] for x in ours[0]] == [x["grad_norm"] for x in ours[1]]

@@ -6,6 +6,7 @@ import gc
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +43,7 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     deepspeed.init_distributed(verbose=False, **kw)
+    _unlink_deepspeeds_shm_buffer_at_exit(dist.get_rank(), dist.get_world_size())
     if own_world:
         # The world of one is this process's to close. Left open, NCCL prints a three-line warning at exit
         # ("destroy_process_group() was not called"), once for every process: a `tune --validate` runs eight. A
@@ -49,6 +51,27 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         # inside a collective, which closing could wait on.
         _own_world = True
         atexit.register(_leave_world)
+
+
+def _unlink_deepspeeds_shm_buffer_at_exit(rank: int, world_size: int) -> None:
+    """DeepSpeed 0.19's CPU accelerator gives each rank of a world on one machine a 66 MiB shared-memory buffer for
+    its all-reduce (ops/csrc/cpu/comm/shm.cpp, named for the user, MASTER_ADDR, MASTER_PORT and the rank) and never
+    unlinks it: every such run would leave them in /dev/shm, which is memory, until the machine has none left. Each
+    rank has mapped every rank's buffer before init_distributed returns, so a rank's own name can go at its exit."""
+    from deepspeed.accelerator import get_accelerator
+
+    if world_size < 2 or get_accelerator().device_name() != "cpu":
+        return
+    path = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                               f"{os.environ.get('MASTER_PORT')}_{rank}")
+    atexit.register(_unlink_quietly, path)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # not ours to remove after all: leave it
+        pass
 
 
 def leave_launchers_world() -> None:
