@@ -17,10 +17,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # DeepSpeed 0.19's CPU accelerator gives every rank of a world of several a 66 MiB shared-memory buffer for its
-# all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) and never unlinks it; /dev/shm is memory. A rank that exits
-# through Python removes its own (train.engine), but the fault tests kill ranks, and before that removal run after
-# run filled the machine until the CI gate's workers ran out of memory. The buffers this session's worlds made go
-# when it ends; their processes have ended by then.
+# all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) and never unlinks it; /dev/shm is memory. dostune's ranks remove
+# the names once every rank is initialised (train.engine); before that, run after run filled the machine until the
+# CI gate's workers ran out of memory. In case a test's world is killed before it gets there, the buffers this
+# session's worlds made go when it ends; their processes have ended by then.
 _SHM = "/dev/shm"
 _SHM_PREFIX = "deepspeed_allreduce_buffer_"
 

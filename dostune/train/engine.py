@@ -43,7 +43,7 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     deepspeed.init_distributed(verbose=False, **kw)
-    _unlink_deepspeeds_shm_buffer_at_exit(dist.get_rank(), dist.get_world_size())
+    _unlink_deepspeeds_shm_buffer(dist.get_rank(), dist.get_world_size())
     if own_world:
         # The world of one is this process's to close. Left open, NCCL prints a three-line warning at exit
         # ("destroy_process_group() was not called"), once for every process: a `tune --validate` runs eight. A
@@ -53,23 +53,22 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         atexit.register(_leave_world)
 
 
-def _unlink_deepspeeds_shm_buffer_at_exit(rank: int, world_size: int) -> None:
+def _unlink_deepspeeds_shm_buffer(rank: int, world_size: int) -> None:
     """DeepSpeed 0.19's CPU accelerator gives each rank of a world on one machine a 66 MiB shared-memory buffer for
     its all-reduce (ops/csrc/cpu/comm/shm.cpp, named for the user, MASTER_ADDR, MASTER_PORT and the rank) and never
-    unlinks it: every such run would leave them in /dev/shm, which is memory, until the machine has none left. Each
-    rank has mapped every rank's buffer before init_distributed returns, so a rank's own name can go at its exit."""
+    unlinks it: every such run would leave them in /dev/shm, which is memory, until the machine has none left. A rank
+    maps every rank's buffer before its init_distributed returns, so once all ranks are past it (the barrier) the
+    names can go; the mappings stay, and no way of exiting (a kill included) leaves a buffer behind."""
+    import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
     if world_size < 2 or get_accelerator().device_name() != "cpu":
         return
+    dist.barrier()
     path = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
                                f"{os.environ.get('MASTER_PORT')}_{rank}")
-    atexit.register(_unlink_quietly, path)
-
-
-def _unlink_quietly(path: Path) -> None:
     try:
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # missing: ranks on several machines, which DeepSpeed gives none
     except OSError:  # not ours to remove after all: leave it
         pass
 
