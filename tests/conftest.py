@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from dostune.train.engine import DS_SHM_DIR, DS_SHM_PREFIX
+
 # DeepSpeed prints its accelerator choice at import; keep test output readable.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
@@ -21,13 +23,9 @@ def pytest_collection_modifyitems(config, items):
 # the names once every rank is initialised (train.engine); before that, run after run filled the machine until the
 # CI gate's workers ran out of memory. In case a test's world is killed before it gets there, the buffers this
 # session's worlds made go when it ends; their processes have ended by then.
-_SHM = "/dev/shm"
-_SHM_PREFIX = "deepspeed_allreduce_buffer_"
-
-
 def _ds_shm_buffers() -> set[str]:
     try:
-        return {n for n in os.listdir(_SHM) if n.startswith(_SHM_PREFIX)}
+        return {n for n in os.listdir(DS_SHM_DIR) if n.startswith(DS_SHM_PREFIX)}
     except OSError:  # no /dev/shm (not Linux)
         return set()
 
@@ -38,6 +36,6 @@ def _remove_deepspeeds_shared_memory_buffers():
     yield
     for name in _ds_shm_buffers() - before:
         try:
-            os.unlink(os.path.join(_SHM, name))
+            os.unlink(os.path.join(DS_SHM_DIR, name))
         except OSError:
             pass

@@ -53,6 +53,11 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
         atexit.register(_leave_world)
 
 
+# Where DeepSpeed's CPU accelerator keeps its all-reduce buffers, and how their names begin (shm.cpp, SHM_BUFFER_NAME)
+DS_SHM_DIR = Path("/dev/shm")
+DS_SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
 def _unlink_deepspeeds_shm_buffer(rank: int, world_size: int) -> None:
     """DeepSpeed 0.19's CPU accelerator gives each rank of a world on one machine a 66 MiB shared-memory buffer for
     its all-reduce (ops/csrc/cpu/comm/shm.cpp, named for the user, MASTER_ADDR, MASTER_PORT and the rank) and never
@@ -65,8 +70,8 @@ def _unlink_deepspeeds_shm_buffer(rank: int, world_size: int) -> None:
     if world_size < 2 or get_accelerator().device_name() != "cpu":
         return
     dist.barrier()
-    path = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-                               f"{os.environ.get('MASTER_PORT')}_{rank}")
+    path = DS_SHM_DIR / (f"{DS_SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                         f"{os.environ.get('MASTER_PORT')}_{rank}")
     try:
         path.unlink(missing_ok=True)  # missing: ranks on several machines, which DeepSpeed gives none
     except OSError:  # not ours to remove after all: leave it
