@@ -13,10 +13,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fifth (llama_0_9b, gpt2_1_5b, gpt2_2_1b, llama_2_3b; results/h100/heldout-5/), added before any run of them;
   looked at since (docs/experiments.md, section 16);
 * the sixth (gpt2_1_0b, llama_1_2b, llama_1_8b, gpt2_2_0b; results/h100/heldout-6/), added before any run of them,
-  the first measured with iterations set aside for steal (host_steal.QuietRuns); llama_1_8b has not run yet;
+  the first measured with iterations set aside for steal (host_steal.QuietRuns); llama_1_8b ran a day later;
 * the seventh (gpt2_0_7b, llama_1_1b, gpt2_1_4b, llama_1_6b; results/h100/heldout-7/), added before any run of them,
-  measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b have not been
-  validated yet.
+  measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b a day later.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
