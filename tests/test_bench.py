@@ -2,6 +2,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import dostune.train.engine as engine_mod
@@ -123,9 +124,10 @@ def _fake(name: str, iters: list[float], peak: float, ran: bool = True):
 
 
 def test_pool_rounds_pools_samples_and_keeps_the_worst_memory():
-    a = _fake("dostune", [1.0, 2.0, 3.0], peak=5.0)
-    b = _fake("dostune", [4.0, 5.0, 6.0], peak=7.0)
+    a = _fake("dostune", [1.0, 2.0, 3.0], peak=5.0).model_copy(update={"swing": [0, 1, 1]})
+    b = _fake("dostune", [4.0, 5.0, 6.0], peak=7.0).model_copy(update={"swing": [2, 2, 1]})
     p = pool_rounds([a, b])
+    assert p.swing == [0, 1, 1, 2, 2, 1]  # v7: in the order of the samples
     assert p.iter_s == 3.5 and p.iter.n == 6 and p.iter.lo == 1.0 and p.iter.hi == 6.0
     assert p.samples["iter"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and p.round_iter_s == [2.0, 5.0]
     assert p.round_step_s == [0.5, 1.25]  # v6: each round's median step kept beside its iteration
@@ -162,6 +164,9 @@ def test_rounds_reverse_the_order_and_pool(monkeypatch):
     assert res.speedup("dostune") == 2.5
     md = markdown(res)
     assert "2 rounds x 8 iterations" in md and "- `dostune`: 1.000, 3.000" in md
+    assert "adaptive_swing" not in md  # no method swung
+    res.methods["dostune"].swing = [0, 1, 2, 2]
+    assert "- `dostune`: 0 1 | 2 2" in markdown(res)
     with pytest.raises(DostuneError, match="--rounds"):
         bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", rounds=0))
 
@@ -195,7 +200,7 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_bench(tmp_path / "old.json")
     assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
-    data["schema_version"] = 7  # a newer dostune's
+    data["schema_version"] = 8  # a newer dostune's
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")
@@ -274,3 +279,63 @@ def test_cli_bench_with_two_configs(monkeypatch, tmp_path):
                                  "--config", str(paths[1])])
     assert r.exit_code == 0, r.output
     assert ran == [("dostune", 0.25, 3_000), ("dostune:b", 0.5, 3_000)]  # the override reaches every config
+
+
+class _SwingingOptimizer:
+    """A dostune optimizer's swing as measure() reads it: each step leaves the next from ``after`` (the last one
+    stays); ``adaptive`` False: a schedule without adaptive_swing, which counts no steps by swing."""
+
+    def __init__(self, after: list[int], adaptive: bool = True):
+        self.after, self.adaptive, self.swing, self.steps = list(after), adaptive, 0, {}
+
+    @property
+    def dostune_swing_stats(self) -> dict:
+        return {"steps_by_swing": dict(self.steps), "swing": self.swing}
+
+    def step(self) -> None:
+        if self.adaptive:
+            self.steps[self.swing] = self.steps.get(self.swing, 0) + 1
+            self.swing = self.after.pop(0) if len(self.after) > 1 else self.after[0]
+
+
+class _FakeEngine:
+    device = torch.device("cpu")
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self, **batch):
+        return torch.tensor(1.0)
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        getattr(self.optimizer, "step", lambda: None)()
+
+    def train_micro_batch_size_per_gpu(self):
+        return 1
+
+    def gradient_accumulation_steps(self):
+        return 1
+
+
+def test_each_timed_iteration_records_the_swing_its_step_ran_with(monkeypatch):
+    """Which split a process settled into, beside the times it took (docs/experiments.md, section 22): the swing each
+    kept iteration's step ran with, an iteration set aside for steal dropped with its times."""
+    from types import SimpleNamespace
+
+    from dostune.profile.timing import NullProgress
+
+    monkeypatch.setattr(bench_run, "QuietRuns", FirstRunStolen)  # the first timed iteration is set aside
+    spec = SimpleNamespace(batch=lambda mb, seq, gen, device: {})
+    # warm-up runs with 0 and leaves 1; the set-aside iteration runs with 1; the three kept with 2, 3, 1
+    m = bench_run.measure(_FakeEngine(_SwingingOptimizer([1, 2, 3, 1, 0])), spec, seq=8, iters=3, warmup=1, seed=0,
+                          progress=NullProgress())
+    assert m["set_aside"].runs == 1 and len(m["samples"]["iter"]) == 3
+    assert m["swing"] == [2, 3, 1]
+    fixed = bench_run.measure(_FakeEngine(_SwingingOptimizer([0], adaptive=False)), spec, seq=8, iters=2, warmup=1,
+                              seed=0, progress=NullProgress())
+    assert fixed["swing"] == []
+    plain = bench_run.measure(_FakeEngine(object()), spec, seq=8, iters=2, warmup=1, seed=0, progress=NullProgress())
+    assert plain["swing"] == []  # DeepSpeed's own optimizer has no swing

@@ -50,5 +50,6 @@ def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
         update_gelem_s=round(rate, 3) if rate else None, timeline=rounds[-1].timeline, samples=samples,
         round_iter_s=[x for r in rounds for x in r.round_iter_s],
         round_step_s=[x for r in rounds for x in r.round_step_s], round_steal=steal,
+        swing=[x for r in rounds for x in r.swing],
         steal=round(sum(steal) / len(steal), 4) if steal else None,
         set_aside=SetAside.of([r.set_aside for r in rounds])))

@@ -10,9 +10,10 @@ from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
 # the launcher. 4: each method's share of CPU time the hypervisor took (steal). 5: the timed iterations set aside for
-# steal. 6: each round's median step. Older records still load: the new fields take their defaults.
-BENCH_SCHEMA_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# steal. 6: each round's median step. 7: dostune's swing in each timed iteration. Older records still load: the new
+# fields take their defaults.
+BENCH_SCHEMA_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 BENCH_KIND = "dostune.bench"
 
 
@@ -56,6 +57,10 @@ class MethodResult(Record):
     samples: dict[str, list[float]] = Field(default_factory=dict)
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
     round_step_s: list[float] = Field(default_factory=list)  # v6. median step time of each round
+    # v7. How many of the GPU lane's streamed subgroups the CPU lane had (adaptive_swing) in each timed iteration, in
+    # the order of ``samples``: which split a process settled into (docs/experiments.md, section 22). Empty for a
+    # method without a swing.
+    swing: list[int] = Field(default_factory=list)
     # v4. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
     # the rounds' mean, and each round's (None, empty where /proc/stat has no steal, or in older records)
     steal: Optional[float] = None

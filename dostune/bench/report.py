@@ -86,6 +86,13 @@ def markdown(res: BenchResult) -> str:
                   ""]
         lines += [f"- `{n}`: " + ", ".join(f"{x:.3f}" for x in m.round_iter_s)
                   for n, m in res.methods.items() if m.ran]
+    swings = [(n, m.swing) for n, m in res.methods.items() if m.ran and m.swing]
+    if swings:
+        per = max(1, len(swings[0][1]) // res.rounds)
+        lines += ["", "GPU-lane subgroups the CPU lane had (adaptive_swing) in each timed iteration, round by round:",
+                  ""]
+        lines += [f"- `{n}`: " + " | ".join(" ".join(map(str, s[k:k + per])) for k in range(0, len(s), per))
+                  for n, s in swings]
     ranks = rank_lines(res)
     if ranks:
         lines += ["", f"{res.world_size} ranks on {res.nodes} node(s): each row is the slowest rank's, its peak "

@@ -152,8 +152,13 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated())
         return out
 
-    def iteration(timed: bool) -> tuple[float, float, float, float]:
+    opt = getattr(engine, "optimizer", None)
+    swings = hasattr(type(opt), "dostune_swing_stats")
+
+    def iteration(timed: bool) -> tuple[float, float, float, float, Optional[int]]:
         f = b = s = 0.0
+        # the split this iteration's step runs with (the swing decides after a step, for the next)
+        swing = opt.dostune_swing_stats["swing"] if swings else None
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
@@ -169,7 +174,7 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
             if len(losses) < (warmup + iters) * gas:
                 losses.append(float(loss.detach().float()))
         progress.advance()
-        return f, b, s, time.perf_counter() - t_it
+        return f, b, s, time.perf_counter() - t_it, swing
 
     for _ in range(warmup):
         iteration(timed=False)
@@ -178,12 +183,14 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
     while runs.more():
         runs.start()
         runs.stop(iteration(timed=True))
-    fwd, bwd, step, it = (list(x) for x in zip(*runs.kept()))
+    fwd, bwd, step, it, swing = (list(x) for x in zip(*runs.kept()))
     peaks = {k: v / 2**30 for k, v in phase_peak.items()} if cuda else None
     return {"fwd": Stat.of(fwd), "bwd": Stat.of(bwd), "step": Stat.of(step), "iter": Stat.of(it),
             "peak": max(peaks.values()) if peaks else None, "phase_peaks": peaks, "losses": losses,
             "samples": {"fwd": fwd, "bwd": bwd, "step": step, "iter": it}, "steal": runs.share,
-            "set_aside": runs.set_aside()}
+            "set_aside": runs.set_aside(),
+            # a schedule without adaptive_swing counts no steps by swing
+            "swing": swing if swings and opt.dostune_swing_stats["steps_by_swing"] else []}
 
 
 def method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -> OffloadSettings:
@@ -255,7 +262,8 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         update_gelem_s=round(params / m["step"].median / 1e9, 3), final_loss=m["losses"][-1],
                         losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
                         round_iter_s=[m["iter"].median], round_step_s=[m["step"].median], steal=m["steal"],
-                        round_steal=[m["steal"]] if m["steal"] is not None else [], set_aside=m["set_aside"])
+                        round_steal=[m["steal"]] if m["steal"] is not None else [], set_aside=m["set_aside"],
+                        swing=m["swing"])
 
 
 def gpu_allocated_gib() -> Optional[float]:
