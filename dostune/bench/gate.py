@@ -37,6 +37,7 @@ import ctypes.util
 import datetime as _dt
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -256,8 +257,6 @@ class _Worker:
         return self.read()
 
     def _stopped(self) -> GateError:
-        import signal
-
         self.proc.wait()
         self._err.flush()
         tail = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-1:] or ["(no output)"]
