@@ -35,7 +35,9 @@ def _port() -> int:
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
                                                             "LOCAL_SIZE", "LOCAL_WORLD_SIZE")}
-    return env | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    # the ranks import the tests' own models (multi_helpers) as `--model multi_helpers:...`
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    return env | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONPATH": path}
 
 
 def _launch(*args: str, cwd: Path) -> subprocess.Popen:
@@ -78,13 +80,9 @@ def test_model_profile_under_the_launcher_is_one_file_with_deepspeeds_partitions
     numels = param_numels(spec)
     assert all(n % 2 for n in numels)
     sgs = 2_000
-    env = _env() | {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                             str(_port()), "--module", "dostune.profile", "--model", "multi_helpers:odd_factory",
-                             "--micro-batch", "2", "--seq", "8", "--iters", "2", "--sub-group-size", str(sgs),
-                             "--name", "cpu"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out, = _finish(proc)
+    out, = _finish(_launch("--num_gpus", "2", "--master_port", str(_port()), "--module", "dostune.profile", "--model",
+                           "multi_helpers:odd_factory", "--micro-batch", "2", "--seq", "8", "--iters", "2",
+                           "--sub-group-size", str(sgs), "--name", "cpu", cwd=tmp_path))
     files = sorted(tmp_path.rglob("*.json"))
     assert len(files) == 1 and files[0].parent.relative_to(tmp_path).as_posix() == "runs/profiles" and \
         files[0].name.endswith("-b2-s8-1x2.json"), out[-3000:]
