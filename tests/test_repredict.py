@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from dostune.errors import DostuneError
+from dostune.optim.schedule import ScheduleConfig
 from dostune.profile.paths import shipped_profile
+from dostune.tune.remeasure import main as remeasure_main, remeasure
 from dostune.tune.repredict import profiles_of, repredict, repredict_file
 from dostune.tune.search import TuneOptions, run_tune
 from dostune.tune.validate import validate
-from dostune.tune.validation_report import load, main, summarize
+from dostune.tune.validation_report import load, main, markdown, summarize
 from test_validate import FakeBench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +83,53 @@ def test_todays_model_on_every_held_out_validation(held_out):
     assert sum(r["ok"] for r in rows) >= 13
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.18
+
+
+SPREAD = ROOT / "results" / "h100" / "profile-spread"
+
+
+def test_a_validation_measured_again_keeps_its_rows_and_their_predictions():
+    res = load(ROOT / "results" / "h100" / "heldout-6" / "llama_1_2b.json")
+    runner = FakeBench((1.1, 0.9, 1.3))
+    again = remeasure(res, rounds=2, runner=runner, host_available=120 * 2**30)
+    # the same methods: ZeRO-Offload and each schedule validated, in the order validate runs them
+    asked = [(name, off.schedule.model_dump(exclude={"trace"}) if off.schedule else None) for name, _, off in
+             runner.calls[:4]]
+    assert asked == [("zero-offload", None)] + [
+        ("dostune", ScheduleConfig.model_validate(t.schedule).model_dump(exclude={"trace"})) for t in res.top[:3]]
+    before = {v.label: v for v in res.validation}
+    assert again.validation and {v.label for v in again.validation} <= set(before)
+    for v in again.validation:
+        for ph in ("fwd", "bwd", "step", "iter"):
+            assert v.predicted(ph) == before[v.label].predicted(ph)
+        assert v.measured_iter_s != before[v.label].measured_iter_s  # what this runner measured, not the record's
+    assert again.created != res.created and again.notes[-1] == f"measured again from {res.created}'s validation"
+
+
+def test_only_a_validated_result_can_be_measured_again(tmp_path, capsys):
+    res = load(ROOT / "results" / "h100" / "heldout-6" / "llama_1_2b.json")
+    with pytest.raises(DostuneError, match="no validated rows"):
+        remeasure(res.model_copy(update={"validation": []}), rounds=1, runner=FakeBench((1, 1, 1)))
+    # without a GPU: one line, and no file
+    assert remeasure_main([str(SPREAD / "llama_1_2b.json"), "--output", str(tmp_path / "again.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "again.json").exists()
+
+
+def test_the_report_predicts_from_the_profiles_it_is_given(capsys):
+    node, prof, rows = SPREAD / "node.json", SPREAD / "llama_1_2b-p2.json", SPREAD / "llama_1_2b.json"
+    code = main(["--repredict", "--profiles", str(node), str(prof), str(rows)])
+    table = summarize([repredict(load(rows), node, prof)])
+    assert code == (0 if all(r["ok"] for r in table) else 1)
+    assert capsys.readouterr().out == markdown(table, repredicted=True)
+    # the measurements were taken on the profiles' host: not the prediction recorded from the first host's
+    assert table != summarize([load(rows)])
+
+
+def test_the_profiles_given_are_one_models_and_need_repredict(capsys):
+    with pytest.raises(SystemExit):
+        main(["--profiles", str(SPREAD / "node.json"), str(SPREAD / "llama_1_2b-p1.json"),
+              str(SPREAD / "llama_1_2b.json")])
+    assert "--profiles goes with --repredict" in capsys.readouterr().err
+    assert main(["--repredict", "--profiles", str(SPREAD / "node.json"), str(SPREAD / "llama_1_2b-p1.json"),
+                 str(SPREAD / "llama_1_2b.json"), str(SPREAD / "gpt2_1_4b.json")]) == 2
+    assert "the files are of 2 models" in capsys.readouterr().err

@@ -8,7 +8,9 @@ where they recorded them.
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
 With --repredict, the rows are the same measurements beside what today's model predicts from the same profiles
-(tune/repredict.py), instead of the predictions recorded with the model of the validation's day.
+(tune/repredict.py), instead of the predictions recorded with the model of the validation's day; with
+--profiles NODE MODEL too, from those two profiles instead (one model's files: the same rows measured again on another
+host, tune/remeasure.py, predicted from that host's profiles).
 
 Exit status 0 when every model is within the bounds, 1 when one is not (the table says which), 2 on a bad file.
 """
@@ -107,10 +109,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output", type=Path, help="also write the table to this file")
     ap.add_argument("--repredict", action="store_true", help="put today's model's predictions, from each "
                     "validation's own profiles, beside its measurements (tune/repredict.py)")
+    ap.add_argument("--profiles", nargs=2, type=Path, metavar=("NODE", "MODEL"), help="with --repredict: predict "
+                    "from this node profile and model profile instead of each validation's own")
     args = ap.parse_args(argv)
+    if args.profiles and not args.repredict:
+        ap.error("--profiles goes with --repredict")
     try:
         results = [load(p) for p in args.results]
-        if args.repredict:
+        if args.profiles:
+            from .repredict import repredict
+
+            models = {r.model for r in results}
+            if len(models) > 1:
+                raise DostuneError(f"--profiles holds one model's profile, the files are of {len(models)} models")
+            results = [repredict(r, *args.profiles) for r in results]
+        elif args.repredict:
             from .repredict import repredict_file
 
             results = [repredict_file(p, r) for p, r in zip(args.results, results)]
