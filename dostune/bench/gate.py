@@ -358,16 +358,6 @@ def pin(commit: str = "HEAD", why: str = "", settings: Optional[GateSettings] = 
                         settings=settings or GateSettings())
 
 
-class LineProgress:
-    """Progress as one line per phase on stderr (no refresh thread)."""
-
-    def start(self, description: str, total: int) -> None:
-        print(description, file=sys.stderr, flush=True)
-
-    def advance(self, n: int = 1) -> None:
-        pass
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dostune.bench.gate", description="The CPU gate's baseline and "
                                  "worker (docs/ci-gate.md); `dostune check --baseline <gate baseline>` runs the gate.")

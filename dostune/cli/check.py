@@ -56,7 +56,8 @@ def _compare(base, cur, tol: float, ratio_only: bool, given: bool) -> CheckRepor
 def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: bool):
     """The CPU gate: run it now (this tree against the pinned commit) and judge the ratio: (report, what --json
     adds); with ``update``, pin this tree's commit instead (None)."""
-    from ..bench.gate import LineProgress, pin, run_gate
+    from ..bench.gate import pin, run_gate
+    from ..profile.timing import LineProgress
 
     if current is not None:
         raise UnusableInput("--current does not apply to a gate baseline: the gate measures both sides in one run",

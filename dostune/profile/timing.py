@@ -1,6 +1,7 @@
 """Timing primitives shared by the profilers: host clocks for CPU work, CUDA events for GPU work."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Optional, Protocol
 
@@ -20,6 +21,16 @@ class ProgressSink(Protocol):
 class NullProgress:
     def start(self, description: str, total: int) -> None:
         pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+class LineProgress:
+    """Progress as one line per phase on stderr (no refresh thread): for logs and for tools without the CLI's bar."""
+
+    def start(self, description: str, total: int) -> None:
+        print(description, file=sys.stderr, flush=True)
 
     def advance(self, n: int = 1) -> None:
         pass

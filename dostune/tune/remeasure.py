@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..errors import DostuneError
 from ..invocation import invocation
+from ..profile.timing import LineProgress, ProgressSink
 from ..records import atomic_write_text
 from .record import TuneResult
 from .validate import Runner, validate
@@ -27,14 +28,15 @@ from .validation_report import load
 
 
 def remeasure(result: TuneResult, rounds: int, runner: Optional[Runner] = None,
-              host_available: Optional[int] = None) -> TuneResult:
+              host_available: Optional[int] = None, progress: Optional[ProgressSink] = None) -> TuneResult:
     """``result`` with its validated rows measured again (as many schedules as it validated, ``rounds`` rounds);
     the predictions are the ones ``result`` recorded for them."""
     if not result.validation:
         raise DostuneError("this tune.json holds no validated rows to measure again",
                            hint="it comes from dostune tune --validate N")
     schedules = sum(v.method == "dostune" for v in result.validation)
-    run = validate(result, schedules, seq=result.seq, rounds=rounds, runner=runner, host_available=host_available)
+    run = validate(result, schedules, seq=result.seq, rounds=rounds, runner=runner, host_available=host_available,
+                   progress=progress)
     if not run.rows:
         raise DostuneError("no row could be measured again (each method failed: see its error in the bench)")
     return result.model_copy(update={
@@ -52,7 +54,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output", type=Path, required=True, help="the tune.json to write")
     args = ap.parse_args(argv)
     try:
-        again = remeasure(load(args.result), args.rounds)
+        # minutes per method and round: a line as each starts, for a log
+        again = remeasure(load(args.result), args.rounds, progress=LineProgress())
     except DostuneError as e:
         print(f"error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
         return 2
