@@ -1,0 +1,51 @@
+"""profile/host_epochs.py: the passes timed back to back, and the windows set beside each other."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dostune.errors import DostuneError
+from dostune.profile.host_epochs import WARMUP, main, windows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, start: float, rows: list[tuple[float, float, float]]) -> Path:
+    path.write_text("".join(json.dumps({"pid": 1, "k": k, "t": start + t, "fwd": f, "bwd": b}) + "\n"
+                            for k, (t, f, b) in enumerate(rows)))
+    return path
+
+
+def test_windows_are_medians_per_stretch_of_wall_clock_from_the_first_files_start(tmp_path):
+    warm = [(0.0, 9.0, 9.0)] * WARMUP  # slow first iterations: left out
+    long = _write(tmp_path / "long.jsonl", 100.0, warm + [(1, .10, .20), (2, .12, .22), (11, .30, .40), (12, .32, .42),
+                                                          (13, .34, .44)])
+    short = _write(tmp_path / "short.jsonl", 100.0, warm + [(21, .11, .21)])
+    rows = windows([long, short], 10.0)
+    got = [(r["file"], r["from_s"], r["n"], round(r["fwd_ms"]), round(r["bwd_ms"])) for r in rows]
+    assert got == [("long.jsonl", 0.0, 2, 110, 210), ("long.jsonl", 10.0, 3, 320, 420), ("long.jsonl", None, 5, 300, 400),
+                   ("short.jsonl", 20.0, 1, 110, 210), ("short.jsonl", None, 1, 110, 210)]
+
+
+def test_a_file_that_is_not_the_timings_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n" * (WARMUP + 1))
+    assert main(["windows", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}: not the JSON lines")
+    with pytest.raises(DostuneError, match="no iterations after the first"):
+        windows([_write(tmp_path / "short.jsonl", 0.0, [(0, 1, 1)] * WARMUP)], 10.0)
+    assert main(["time", "gpt2-tiny", "--seconds", "0", "-o", str(tmp_path / "x.jsonl")]) == 2
+
+
+def test_time_writes_a_line_per_iteration_on_the_cpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "dostune.profile.host_epochs", "time", "gpt2-tiny", "--seconds", "2",
+                          "--micro-batch", "1", "--seq", "32", "-o", str(tmp_path / "t.jsonl")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert rows and [r["k"] for r in rows] == list(range(len(rows)))
+    assert all(r["fwd"] > 0 and r["bwd"] > 0 for r in rows) and rows[-1]["t"] >= rows[0]["t"]
