@@ -7,7 +7,7 @@ then set the long run's windows beside the short runs (docs/experiments.md, sect
     python -m dostune.profile.host_epochs time examples.validation_shapes:llama_1_2b --seconds 25 -o short1.jsonl
     python -m dostune.profile.host_epochs windows long.jsonl short1.jsonl --window 15
 
-Run `time` as a single process (it starts its own one-rank world). Each line is written as its iteration ends, so a
+Run `time` as a single process (the engine starts its own one-rank world, train/engine.py). Each line is written as its iteration ends, so a
 run cut short keeps the iterations it finished.
 """
 from __future__ import annotations
@@ -114,12 +114,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if args.seconds <= 0 or args.micro_batch < 1 or args.seq < 1:
             raise DostuneError("--seconds, --micro-batch and --seq must be positive")
-        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
-        import deepspeed
-
-        deepspeed.init_distributed()
         with open(args.output, "w") as out:
             for row in time_passes(args.model, args.seconds, args.micro_batch, args.seq):
                 out.write(json.dumps(row) + "\n")
