@@ -33,6 +33,13 @@ def test_a_file_that_is_not_the_timings_is_one_line(tmp_path, capsys):
     with pytest.raises(DostuneError, match="no iterations after the first"):
         windows([_write(tmp_path / "short.jsonl", 0.0, [(0, 1, 1)] * WARMUP)], 10.0)
     assert main(["time", "gpt2-tiny", "--seconds", "0", "-o", str(tmp_path / "x.jsonl")]) == 2
+    assert main(["windows", str(bad), "--window", "0"]) == 2
+    assert main(["time", "gpt2-tiny", "-o", str(tmp_path / "no" / "such" / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --seconds, --micro-batch and --seq must be positive", "error: --window must be positive",
+                   f"error: cannot write {tmp_path / 'no' / 'such' / 'x.jsonl'}: no folder {tmp_path / 'no' / 'such'}"]
+    assert main(["time", "no-such-model", "-o", str(tmp_path / "x.jsonl")]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
 
 
 def test_time_writes_a_line_per_iteration_on_the_cpu(tmp_path):

@@ -7,8 +7,8 @@ then set the long run's windows beside the short runs (docs/experiments.md, sect
     python -m dostune.profile.host_epochs time examples.validation_shapes:llama_1_2b --seconds 25 -o short1.jsonl
     python -m dostune.profile.host_epochs windows long.jsonl short1.jsonl --window 15
 
-Run `time` as a single process (the engine starts its own one-rank world, train/engine.py). Each line is written as its iteration ends, so a
-run cut short keeps the iterations it finished.
+Run `time` as a single process (the engine starts its own one-rank world, train/engine.py). Each line is written as
+its iteration ends, so a run cut short keeps the iterations it finished.
 """
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "windows":
+            if args.window <= 0:
+                raise DostuneError("--window must be positive")
             for r in windows(args.files, args.window):
                 when = "all" if r["from_s"] is None else f"{r['from_s']:.0f}-{r['from_s'] + args.window:.0f} s"
                 print(f"{r['file']:24s} {when:>12s}  n={r['n']:4d}  forward {r['fwd_ms']:7.1f} ms  "
@@ -114,10 +116,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if args.seconds <= 0 or args.micro_batch < 1 or args.seq < 1:
             raise DostuneError("--seconds, --micro-batch and --seq must be positive")
-        with open(args.output, "w") as out:
+        if not args.output.parent.is_dir():
+            raise DostuneError(f"cannot write {args.output}: no folder {args.output.parent}")
+        # opened at the first iteration: a model that cannot be built leaves no empty file behind
+        out = None
+        try:
             for row in time_passes(args.model, args.seconds, args.micro_batch, args.seq):
+                out = out or open(args.output, "w")
                 out.write(json.dumps(row) + "\n")
                 out.flush()
+        finally:
+            if out is not None:
+                out.close()
         return 0
     except DostuneError as e:
         print(f"error: {e}", file=sys.stderr)
