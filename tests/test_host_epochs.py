@@ -48,3 +48,39 @@ def test_time_writes_a_line_per_iteration_on_the_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and [r["k"] for r in rows] == list(range(len(rows)))
     assert all(r["fwd"] > 0 and r["bwd"] > 0 for r in rows) and rows[-1]["t"] >= rows[0]["t"]
+
+
+def test_iteration_phases_times_each_phase_inside_the_callers_hook_and_skips_the_step_when_asked():
+    import time
+
+    import torch
+
+    from dostune.profile.timing import iteration_phases
+
+    calls = []
+
+    class Engine:
+        def __call__(self, **batch):
+            calls.append("forward")
+            return torch.tensor(batch["x"] * 2.0)
+
+        def backward(self, loss):
+            calls.append(f"backward {loss.item():g}")
+            time.sleep(0.02)
+
+        def step(self):
+            calls.append("step")
+
+    def around(name, fn):
+        calls.append(f"<{name}")
+        out = fn()
+        calls.append(f"{name}>")
+        return out
+
+    loss, f, b, s = iteration_phases(Engine(), {"x": 3}, lambda: calls.append("sync"), around=around)
+    assert loss.item() == 6 and b >= 0.02 and f < b and s >= 0
+    assert calls == ["sync", "<fwd", "forward", "fwd>", "sync", "<bwd", "backward 6", "bwd>", "sync",
+                     "<step", "step", "step>", "sync"]
+    calls.clear()
+    _, _, _, s = iteration_phases(Engine(), {"x": 1}, lambda: None, step=False)
+    assert s == 0.0 and calls == ["forward", "backward 2"]

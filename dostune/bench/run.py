@@ -26,14 +26,14 @@ from .._version import __version__
 from ..invocation import invocation
 from ..dsconfig import OffloadSettings, TrainSettings, check_precision, deepspeed_config
 from ..errors import DostuneError
-from ..models.registry import ModelSpec, loss_of, resolve_model
+from ..models.registry import ModelSpec, resolve_model
 from ..optim.schedule import ScheduleConfig
 from ..deepspeed_support import check_deepspeed
 from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import WORLD_KEY, World, gather_ranks, rank
 from ..profile.identity import cuda_available, deepspeed_version, nvml, nvml_handle
-from ..profile.timing import NullProgress, ProgressSink
+from ..profile.timing import NullProgress, ProgressSink, iteration_phases
 from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
@@ -147,7 +147,7 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
         if cuda and timed:
             torch.cuda.reset_peak_memory_stats()
         out = fn()
-        _sync()
+        _sync()  # the peak is read after the phase's device work (iteration_phases syncs again: nothing left)
         if cuda and timed:
             phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated())
         return out
@@ -162,15 +162,8 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
-            _sync()
-            t0 = time.perf_counter()
-            loss = phase("fwd", lambda: loss_of(engine(**batch)), timed)
-            t1 = time.perf_counter()
-            phase("bwd", lambda: engine.backward(loss), timed)
-            t2 = time.perf_counter()
-            phase("step", engine.step, timed)
-            t3 = time.perf_counter()
-            f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+            loss, f1, b1, s1 = iteration_phases(engine, batch, _sync, around=lambda name, fn: phase(name, fn, timed))
+            f, b, s = f + f1, b + b1, s + s1
             if len(losses) < (warmup + iters) * gas:
                 losses.append(float(loss.detach().float()))
         progress.advance()
@@ -306,7 +299,7 @@ def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: Off
         free_engine_memory()
 
 
-def _train_settings(opts: BenchOptions) -> TrainSettings:
+def train_settings(opts: BenchOptions) -> TrainSettings:
     return replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
                    activation_checkpointing=opts.activation_checkpointing)
 
@@ -322,7 +315,7 @@ def check_bench_options(opts: BenchOptions) -> tuple[ModelSpec, int, list[str]]:
     spec = resolve_model(opts.model)
     spec.check_seq(opts.seq)
     check_precision(opts.precision, hint="leave --precision out for bf16, the default")
-    _train_settings(opts).validate()
+    train_settings(opts).validate()
     numels = param_numels(spec)  # a factory model has no analytic count: count its parameters (meta build)
     for name in methods:
         if is_dostune(name):
@@ -377,7 +370,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     what finished (the CLI writes it out) whatever happens to the rest."""
     progress = progress or NullProgress()
     spec, params, methods = check_bench_options(opts)
-    opts.train = _train_settings(opts)
+    opts.train = train_settings(opts)
     runs: dict[str, list[MethodResult]] = {name: [] for name in methods}
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 

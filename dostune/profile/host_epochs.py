@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -31,16 +30,15 @@ def time_passes(model: str, seconds: float, micro_batch: int, seq: int) -> Itera
     """Forward and backward (copies dropped, no step) of ``model`` under ZeRO-Offload, for ``seconds``."""
     import torch
 
-    from ..bench.run import BenchOptions, method_offload
+    from ..bench.run import BenchOptions, method_offload, train_settings
     from ..dsconfig import deepspeed_config
     from ..models.registry import resolve_model
     from ..train.engine import build_engine
-    from ..train.loop import loss_of
     from .backward_probes import drop_gradient_copies
+    from .timing import iteration_phases
 
     opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, clip=0.0)
-    cfg = deepspeed_config(replace(opts.train, micro_batch=micro_batch, precision=opts.precision, clip=0.0),
-                           method_offload("zero-offload", opts, None))
+    cfg = deepspeed_config(train_settings(opts), method_offload("zero-offload", opts, None))
     spec = resolve_model(model)
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=False)
     opt = engine.optimizer
@@ -50,18 +48,10 @@ def time_passes(model: str, seconds: float, micro_batch: int, seq: int) -> Itera
     start, k = time.time(), 0
     try:
         while time.time() - start < seconds:
-            batch = spec.batch(micro_batch, seq, gen, engine.device)
-            sync()
-            t0 = time.perf_counter()
-            loss = loss_of(engine(**batch))
-            sync()
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            sync()
-            t2 = time.perf_counter()
+            _, fwd, bwd, _ = iteration_phases(engine, spec.batch(micro_batch, seq, gen, engine.device), sync,
+                                              step=False)
             opt.zero_grad()  # no step follows: the next pass starts as a fresh iteration
-            yield {"pid": os.getpid(), "k": k, "t": round(time.time(), 3), "fwd": round(t1 - t0, 5),
-                   "bwd": round(t2 - t1, 5)}
+            yield {"pid": os.getpid(), "k": k, "t": round(time.time(), 3), "fwd": round(fwd, 5), "bwd": round(bwd, 5)}
             k += 1
     finally:
         engine.destroy()

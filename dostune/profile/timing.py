@@ -50,6 +50,34 @@ def time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1,
     return Stat.of(samples)
 
 
+def _run(name: str, fn: Callable[[], object]) -> object:
+    return fn()
+
+
+def iteration_phases(engine, batch: dict, sync: Callable[[], None], step: bool = True,
+                     around: Callable[[str, Callable[[], object]], object] = _run) -> tuple[object, float, float, float]:
+    """One micro-batch through a DeepSpeed ``engine``: forward, backward and (with ``step``) the optimizer step.
+    Returns (loss, forward s, backward s, step s; 0 without ``step``), each phase on the host clock with ``sync()``
+    (the device's) at its ends, so a phase's queued device work counts in it. ``around(name, fn)`` runs each phase:
+    a caller's hook around it ("fwd", "bwd", "step"), such as bench's peak memory per phase. The training loop, the
+    bench and host_epochs time their iterations with it."""
+    from ..models.registry import loss_of
+
+    sync()
+    t0 = time.perf_counter()
+    loss = around("fwd", lambda: loss_of(engine(**batch)))
+    sync()
+    t1 = time.perf_counter()
+    around("bwd", lambda: engine.backward(loss))
+    sync()
+    t2 = time.perf_counter()
+    if not step:
+        return loss, t1 - t0, t2 - t1, 0.0
+    around("step", engine.step)
+    sync()
+    return loss, t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
 def time_cuda(fn: Callable[[], object], repeats: int, inner: int = 1, warmup: int = 1,
               stream: Optional[torch.cuda.Stream] = None, progress: Optional[ProgressSink] = None) -> Stat:
     """Median seconds of one call of ``fn``, timed with CUDA events around ``inner`` back-to-back calls,

@@ -12,8 +12,9 @@ import torch
 
 from ..dsconfig import activation_checkpointing, with_activation_checkpointing
 from ..errors import ConfigError, DostuneError
-from ..models.registry import ModelSpec, loss_of, resolve_model
+from ..models.registry import ModelSpec, resolve_model
 from ..optim.schedule import ScheduleConfig
+from ..profile.timing import iteration_phases
 from ..deepspeed_support import check_deepspeed
 from ..records import check_writable, read_json_record
 from ..tune.refit import check_fits
@@ -248,18 +249,8 @@ def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepR
     t_it = time.perf_counter()
     for micro in range(gas):
         batch = data.batch(step * gas + micro, mb, seq, engine.device, rank)
-        sync()
-        t0 = time.perf_counter()
-        loss = loss_of(engine(**batch))
-        sync()
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        sync()
-        t2 = time.perf_counter()
-        engine.step()
-        sync()
-        t3 = time.perf_counter()
-        f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+        loss, f1, b1, s1 = iteration_phases(engine, batch, sync)
+        f, b, s = f + f1, b + b1, s + s1
         losses.append(float(loss.detach().float()))
     it = time.perf_counter() - t_it
     norm = engine.get_global_grad_norm()
