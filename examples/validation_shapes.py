@@ -15,7 +15,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the sixth (gpt2_1_0b, llama_1_2b, llama_1_8b, gpt2_2_0b; results/h100/heldout-6/), added before any run of them,
   the first measured with iterations set aside for steal (host_steal.QuietRuns); llama_1_8b ran a day later;
 * the seventh (gpt2_0_7b, llama_1_1b, gpt2_1_4b, llama_1_6b; results/h100/heldout-7/), added before any run of them,
-  measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b a day later.
+  measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b a day later;
+* the eighth (llama_0_7b, gpt2_1_2b, llama_2_5b, gpt2_4_1b, llama_6_4b; results/h100/heldout-8/), added before any run
+  of them, the first profiled with the backward probes spread over a minute (model profile schema 8).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -74,6 +76,15 @@ SHAPES = {
     "gpt2_1_4b": DecoderConfig("gpt2", layers=21, hidden=2240, heads=28, vocab=50304, max_positions=1024),
     "llama_1_6b": DecoderConfig("llama", layers=24, hidden=2432, heads=38, vocab=32000, max_positions=2048, ffn=6400,
                                 kv_heads=2),
+    # the eighth set
+    "llama_0_7b": DecoderConfig("llama", layers=13, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5504,
+                                kv_heads=8),
+    "gpt2_1_2b": DecoderConfig("gpt2", layers=24, hidden=1984, heads=16, vocab=50304, max_positions=1024),
+    "llama_2_5b": DecoderConfig("llama", layers=26, hidden=2944, heads=23, vocab=32000, max_positions=4096, ffn=7936,
+                                kv_heads=1),
+    "gpt2_4_1b": DecoderConfig("gpt2", layers=40, hidden=2880, heads=18, vocab=50304, max_positions=1024),
+    "llama_6_4b": DecoderConfig("llama", layers=32, hidden=4352, heads=34, vocab=32000, max_positions=4096,
+                                ffn=11520, kv_heads=2),
 }
 
 

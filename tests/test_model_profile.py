@@ -15,7 +15,8 @@ def prof():
         mp.setattr("dostune.profile.model.QuietRuns", FirstRunStolen)
         mp.setattr("dostune.profile.backward_probes.QuietRuns", FirstRunStolen)
         return measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
-                                                 reduce_bucket_size=3_000, iters=2, warmup=1), command="pytest")
+                                                 reduce_bucket_size=3_000, iters=2, warmup=1, probe_seconds=2.0),
+                             command="pytest")
 
 
 def test_timeline_has_the_three_phases_in_order(prof):
@@ -70,7 +71,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 7 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 8 and prof.offload_pin_memory is True and prof.offload_pinned
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set
@@ -80,11 +81,17 @@ def test_schema_3_measures_the_models_coefficients(prof):
     assert any(n.startswith("1 timed iteration set aside, each run again: the hypervisor took 50.0%") for n in prof.notes)
     assert any(n.startswith("1 round of the backward probes set aside") for n in prof.notes)
     assert all(p.time_s.n == 2 for p in prof.phases.values())
-    assert prof.backward_no_copy_s.n == 2 and prof.backward_no_copy_s.median > 0
+    # v8: the probes' rounds ran for 2 s (more than --iters of them), each round's readings kept in order
+    rounds = prof.probe_rounds
+    assert prof.probe_seconds == 2.0 and len(rounds) > 2 and prof.backward_no_copy_s.n == len(rounds)
+    assert rounds[0].t_s == 0 and [r.t_s for r in rounds] == sorted(r.t_s for r in rounds)
+    assert rounds[-1].t_s > 0.5
+    assert prof.probe_forward_s.n == len(rounds) and prof.backward_no_copy_s.median > 0
+    assert all(r.pinned_copy_s is None and r.beside_lane_s > 0 for r in rounds)
     assert prof.backward_pinned_copy is None  # page-locked copies need a CUDA GPU (tests/test_profile_gpu.py)
     lane = prof.backward_lane
     assert lane.threads >= 1 and lane.elements == 65_536 and lane.lane_beside_s.n >= 1
-    assert lane.lane_alone_s.median > 0 and lane.backward_s.n == 2
+    assert lane.lane_alone_s.median > 0 and lane.backward_s.n == len(rounds)
     # v7: the lane alone timed in its own thread too, every update after the untimed first
     from dostune.profile.backward_probes import LANE_THREAD_UPDATES
     assert lane.lane_alone_thread_s.n == LANE_THREAD_UPDATES and lane.lane_alone_thread_s.median > 0
@@ -95,6 +102,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     assert all(p.seconds.n == 2 and p.threads >= 1 for p in prof.ds_cpu_adam.points)
     m = ModelInputs.from_profile(prof)
     assert m.bwd_no_copy_s and m.bwd_beside_lane_s and m.step_shares is not None
+    assert m.fwd_s == prof.probe_forward_s.median  # forward over the probes' span, not the two timed iterations
     c = Coefficients.of(NodeInputs.from_profile(load_node_profile(shipped_profile())), m, sizes)
     assert not [n for n in c.notes if "re-profile the model" in n]
     assert c.backward.compute_s == prof.backward_no_copy_s.median

@@ -66,6 +66,10 @@ def profile(
     sub_group_size: int = typer.Option(100_000_000, min=1, help="With --model: ZeRO-3 sub_group_size whose "
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
+    probe_seconds: Optional[float] = typer.Option(None, min=0, help="With --model: spread the backward probes over "
+                                                  "this many seconds, so that a few slow seconds of the host do not "
+                                                  "set the prediction. Default: 60 on a GPU, 0 (--iters rounds in a "
+                                                  "row) without one."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
                                           "checkpoint every transformer block (recompute its activations "
@@ -100,7 +104,7 @@ def profile(
         return
     if model is not None:
         _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
-                       activation_checkpointing)
+                       activation_checkpointing, probe_seconds)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -146,7 +150,7 @@ def render_model_profile(p) -> Table:
 
 
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
-                   activation_checkpointing=False):
+                   activation_checkpointing=False, probe_seconds=None):
     from ..models.registry import resolve_model
     from ..perfmodel.world import World, rank
     from ..profile.timing import NullProgress
@@ -154,7 +158,7 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                sub_group_size=sub_group_size, iters=iters, node=node,
-                               activation_checkpointing=activation_checkpointing)
+                               activation_checkpointing=activation_checkpointing, probe_seconds=probe_seconds)
     opts.validate()
     if dtype not in ("bf16", "fp16", "fp32"):
         raise DostuneError(f"--dtype must be bf16, fp16 or fp32 for a model profile, got {dtype!r}",

@@ -14,9 +14,12 @@ on. docs/performance-model.md says how the model uses them.
 """
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -25,7 +28,7 @@ from ..errors import DostuneError
 from ..host_steal import QuietRuns
 from ..records import SetAside
 from ..stats import Stat
-from .model_record import BackwardLaneProfile, PinnedCopyProfile
+from .model_record import BackwardLaneProfile, PinnedCopyProfile, ProbeRound
 from .timing import NullProgress, ProgressSink, time_cpu
 
 
@@ -150,33 +153,61 @@ def lane_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
-def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, lane_elements: int,
+# rounds at most, however short a pass is against ``seconds``: the record keeps every round
+MAX_ROUNDS = 400
+
+
+@dataclass
+class BackwardProbes:
+    """What measure_backward_probes measured: every reading is the median over all kept rounds."""
+
+    no_copy: Stat  # backward without gradient copies
+    forward: Stat  # the forward before each of those passes
+    lane: Optional[BackwardLaneProfile]  # None (with a note) where dostune's kernel cannot be built
+    pinned_copy: Optional[PinnedCopyProfile]  # None without a CUDA GPU
+    rounds: list[ProbeRound]  # each kept round's readings, in the order they ran
+    set_aside: SetAside  # rounds set aside for steal
+    notes: list[str]
+
+
+def probe_rounds(repeats: int, seconds: float, round_s: float, gather: Callable[[Optional[float]], list]) -> int:
+    """How many rounds spread the probes over ``seconds`` when one takes ``round_s``: at least ``repeats``, at most
+    MAX_ROUNDS; under the launcher every rank runs the most any rank needs (``gather``: the value of every rank)."""
+    wanted = max(repeats, min(MAX_ROUNDS, math.ceil(seconds / round_s))) if seconds > 0 and round_s > 0 else repeats
+    return int(max(gather(wanted)))
+
+
+def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, float]], repeats: int, lane_elements: int,
                             half: torch.dtype, progress: Optional[ProgressSink] = None,
-                            gather: Callable[[Optional[float]], list] = lambda share: [share]
-                            ) -> tuple[Stat, Optional[BackwardLaneProfile], Optional[PinnedCopyProfile], SetAside,
-                                       list[str]]:
-    """``backward()``: one forward (untimed) and backward of the engine whose optimizer is ``opt``, returning
-    (start, end) of the backward on the host clock, synchronised. Returns the backward without gradient copies, the
-    lane beside it (None, with a note, where dostune's kernel cannot be built), the backward with page-locked
-    copies (None without a CUDA GPU), the rounds set aside for steal (``gather``: every rank's share of a round,
-    QuietRuns) and notes."""
+                            gather: Callable[[Optional[float]], list] = lambda share: [share],
+                            seconds: float = 0.0) -> BackwardProbes:
+    """``backward()``: one forward and backward of the engine whose optimizer is ``opt``, returning (forward's
+    seconds, start, end of the backward on the host clock), synchronised. Rounds of the probes run back to back for
+    ``seconds`` (at least ``repeats`` rounds): a host's speed wanders in stretches of seconds (docs/experiments.md,
+    section 25), so a few rounds in a row read one stretch, and rounds over a minute read the host's usual speed.
+    ``gather``: every rank's share of a round (QuietRuns), and every rank's count of rounds."""
     progress = progress or NullProgress()
     pinned = torch.cuda.is_available()
-    progress.start("backward without gradient copies, with page-locked ones, and beside the CPU lane"
-                   if pinned else "backward without gradient copies, alone and beside the CPU lane",
-                   (3 if pinned else 2) * repeats + 1)
+    passes = 3 if pinned else 2
+    what = ("backward without gradient copies, with page-locked ones, and beside the CPU lane" if pinned
+            else "backward without gradient copies, alone and beside the CPU lane")
+    progress.start(what, passes * repeats + 1)
     notes: list[str] = []
     before = opt.partition_grads  # DeepSpeed's own, or a profiling wrapper of it: put back as found
     opt.partition_grads = drop_gradient_copies(opt)
     try:
-        def timed() -> tuple[float, float]:
+        def timed() -> tuple[float, float, float]:
             try:
                 return backward()
             finally:
                 opt.zero_grad()  # no step follows: start the next pass as a fresh iteration
                 progress.advance()
 
+        t0 = time.perf_counter()
         timed()  # warm-up: the first pass without copies
+        rounds_wanted = probe_rounds(repeats, seconds, passes * (time.perf_counter() - t0), gather)
+        if rounds_wanted != repeats:
+            progress.start(f"{what}: {rounds_wanted} rounds over about {seconds:.0f} s", passes * rounds_wanted)
         scratch = None
         if pinned:
             params = [p for g in opt.fp16_groups for p in g]
@@ -194,9 +225,9 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
         # passes before the page-locked block read 0.223 s, a host that sped up between them, not copies that help.
         # A round the hypervisor took from is set aside and another runs (QuietRuns); the lane's updates count only
         # inside the kept rounds' windows.
-        rounds = QuietRuns(repeats, gather=gather, on_set_aside=lambda share, left: progress.start(
+        rounds = QuietRuns(rounds_wanted, gather=gather, on_set_aside=lambda share, left: progress.start(
             f"a round of backward passes set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} "
-            "more", left * (3 if pinned else 2)))
+            "more", left * passes))
         while rounds.more():
             rounds.start()
             opt.partition_grads = drop_gradient_copies(opt)
@@ -211,22 +242,33 @@ def measure_backward_probes(opt, backward: Callable[[], float], repeats: int, la
             rounds.stop(one)
         del scratch
         kept = rounds.kept()
-        alone, runs, windows = ([r[k] for r in kept if r[k] is not None] for k in range(3))
-        set_aside = rounds.set_aside()
-        no_copy = Stat.of([b - a for a, b in alone])
+        alone, runs, beside_lane = ([r[k] for r in kept if r[k] is not None] for k in range(3))
+        windows = [(a, b) for _, a, b in beside_lane]
+
+        def seconds_of(one) -> Optional[float]:
+            return None if one is None else one[2] - one[1]
+
+        def lane_in(one) -> Optional[float]:
+            inside = lane.within([one[1:]]) if lane is not None and one is not None else []
+            return statistics.median(inside) if inside else None
+
+        first = kept[0][0][1]
+        kept_rounds = [ProbeRound(t_s=r[0][1] - first, forward_s=r[0][0], no_copy_s=seconds_of(r[0]),
+                                  pinned_copy_s=seconds_of(r[1]), beside_lane_s=seconds_of(r[2]),
+                                  lane_update_s=lane_in(r[2])) for r in kept]
         copied = None
         if runs:
             copied = PinnedCopyProfile(bytes=sum(p.partition_numel() for p in params) * params[0].element_size(),
-                                       backward_s=Stat.of([b - a for a, b in runs]))
-        if lane is None:
-            return no_copy, None, copied, set_aside, notes
-        beside = lane.within(windows)
-        if not beside:
+                                       backward_s=Stat.of([b - a for _, a, b in runs]))
+        beside = lane.within(windows) if lane is not None else []
+        if lane is not None and not beside:
             notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
-            return no_copy, None, copied, set_aside, notes
-        return no_copy, BackwardLaneProfile(
-            threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone,
-            lane_alone_thread_s=lane_alone_thread, lane_beside_s=Stat.of(beside),
-            backward_s=Stat.of([b - a for a, b in windows])), copied, set_aside, notes
+        return BackwardProbes(
+            no_copy=Stat.of([b - a for _, a, b in alone]), forward=Stat.of([f for f, _, _ in alone]),
+            lane=BackwardLaneProfile(
+                threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone,
+                lane_alone_thread_s=lane_alone_thread, lane_beside_s=Stat.of(beside),
+                backward_s=Stat.of([b - a for a, b in windows])) if beside else None,
+            pinned_copy=copied, rounds=kept_rounds, set_aside=rounds.set_aside(), notes=notes)
     finally:
         opt.partition_grads = before

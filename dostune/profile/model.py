@@ -33,9 +33,12 @@ from .backward_probes import measure_backward_probes
 from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
                            SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
-from .timing import NullProgress, ProgressSink
+from .timing import NullProgress, ProgressSink, iteration_phases
 
 GiB = 2**30
+# On the H100 hosts backward's speed moved in stretches of seconds, one 15 s window of ten slow (docs/experiments.md,
+# section 25): rounds over a minute read the usual speed
+DEFAULT_PROBE_SECONDS = 60.0
 
 
 @dataclass
@@ -54,10 +57,15 @@ class ModelProfileOptions:
     # the scratch subgroup the CPU-lane kernel updates beside backward (backward_probes.py); None: a 16th of the
     # model, between 64K and 10M elements (~3 ms per update on the H100 host)
     lane_elements: Optional[int] = None
+    # the seconds the backward probes' rounds are spread over (backward_probes.py); None: DEFAULT_PROBE_SECONDS on a
+    # GPU, 0 (``iters`` rounds in a row) on a CPU machine, whose profile tunes nothing real
+    probe_seconds: Optional[float] = None
 
     def validate(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.micro_batch < 1 or self.seq < 1 or self.sub_group_size < 1:
             raise DostuneError("--iters, --micro-batch, --seq and --sub-group-size must be positive, --warmup >= 0")
+        if self.probe_seconds is not None and not self.probe_seconds >= 0:
+            raise DostuneError(f"--probe-seconds must be 0 or more, got {self.probe_seconds}")
         if self.lane_elements is not None and self.lane_elements < 1:
             raise DostuneError(f"lane_elements must be positive, got {self.lane_elements}")
 
@@ -301,21 +309,21 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         numel = sum(s.numel for s in subgroups)
         step_parts, ds_cpu_adam, ds_unscale = overhead.summary([s.numel for s in subgroups])
 
-        def backward_pass() -> tuple[float, float]:
-            loss = loss_of(engine(**spec.batch(opts.micro_batch, opts.seq, gen, engine.device)))
-            sync()
-            t0 = time.perf_counter()
-            engine.backward(loss)
-            sync()
-            return t0, time.perf_counter()
+        def backward_pass() -> tuple[float, float, float]:
+            _, fwd, bwd, _ = iteration_phases(engine, spec.batch(opts.micro_batch, opts.seq, gen, engine.device),
+                                              sync, step=False)
+            end = time.perf_counter()
+            return fwd, end - bwd, end
 
         lane_elements = opts.lane_elements or min(10_000_000, max(65_536, numel // 16))
         # the lane's gradients and results in the training's half precision (bf16 for an fp32 profile: the probe is
         # about how the two slow each other, which the dtype barely changes)
         half = torch.float16 if opts.precision == "fp16" else torch.bfloat16
-        no_copy, lane, pinned_copy, probes_set_aside, probe_notes = measure_backward_probes(
-            opt, backward_pass, opts.iters, lane_elements, half, progress, gather=gather_ranks)
-        notes += probe_notes
+        probe_seconds = opts.probe_seconds if opts.probe_seconds is not None else (
+            DEFAULT_PROBE_SECONDS if cuda else 0.0)
+        probes = measure_backward_probes(opt, backward_pass, opts.iters, lane_elements, half, progress,
+                                         gather=gather_ranks, seconds=probe_seconds)
+        notes += probes.notes
     finally:
         for h in handles:
             h.remove()
@@ -341,7 +349,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     overhead_s = Stat.of(overheads).median
     note = steal_note(timed_runs.share, "ZeRO-Offload's iterations were timed")
     for aside, what in ((timed_runs.set_aside(), ("timed iteration", "timed iterations")),
-                        (probes_set_aside, ("round of the backward probes", "rounds of the backward probes"))):
+                        (probes.set_aside, ("round of the backward probes", "rounds of the backward probes"))):
         text = set_aside_text(aside, what)
         if text:
             notes.append(f"{text}; the figures are the kept ones'")
@@ -364,10 +372,11 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,
         optimizer_state_bytes=16 * numel, phases=phases, step_overhead_s=overhead_s, backward_s=backward_s,
         world=WorldRecord(**world.as_config()), ranks=ranks, memory_timeline=rec.samples,
-        pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory, backward_no_copy_s=no_copy,
-        backward_lane=lane, backward_pinned_copy=pinned_copy, step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam,
-        ds_unscale=ds_unscale, steal=timed_runs.share, set_aside=timed_runs.set_aside(),
-        probes_set_aside=probes_set_aside, notes=notes)
+        pcie=pcie.summary() if pcie else None, offload_pin_memory=offload.pin_memory,
+        backward_no_copy_s=probes.no_copy, backward_lane=probes.lane, backward_pinned_copy=probes.pinned_copy,
+        step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, steal=timed_runs.share,
+        set_aside=timed_runs.set_aside(), probes_set_aside=probes.set_aside, probe_seconds=probe_seconds,
+        probe_forward_s=probes.forward, probe_rounds=probes.rounds, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

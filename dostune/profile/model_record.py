@@ -25,8 +25,11 @@ from .record import Series
 # 6: set_aside, probes_set_aside (timed iterations and probe rounds set aside for steal). Older profiles load with none.
 # 7: backward_lane.lane_alone_thread_s (the lane alone, timed in its worker thread; recorded beside lane_alone_s, which
 # the model reads, for an A/B). Older profiles load with none.
-MODEL_SCHEMA_VERSION = 7
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# 8: probe_seconds, probe_forward_s, probe_rounds (the backward probes spread over a span of seconds, the forward
+# before each timed, and every round's readings). Older profiles load with none: the model takes forward from the
+# timed iterations then.
+MODEL_SCHEMA_VERSION = 8
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -88,6 +91,17 @@ class PinnedCopyProfile(Record):
 
     bytes: int = Field(ge=0)  # copied in one backward
     backward_s: Stat
+
+
+class ProbeRound(Record):
+    """One round of the backward probes (backward_probes.py): each pass's seconds, None where it did not run."""
+
+    t_s: float  # when its first pass's backward started, seconds from the first kept round's
+    forward_s: float  # the forward before the pass without copies
+    no_copy_s: float  # backward without gradient copies
+    pinned_copy_s: Optional[float] = None  # ... with page-locked copies (a GPU)
+    beside_lane_s: Optional[float] = None  # ... beside the CPU lane
+    lane_update_s: Optional[float] = None  # the median lane update inside that backward
 
 
 class WorldRecord(Record):
@@ -159,6 +173,12 @@ class ModelProfile(Record):
     # ran in the place of each, host_steal.QuietRuns): the figures above are the kept ones', steal included
     set_aside: Optional[SetAside] = None
     probes_set_aside: Optional[SetAside] = None
+    # v8. The seconds the probes' rounds were spread over (0: ``iterations`` rounds in a row), the forward before each
+    # backward without copies over those rounds (the model's forward: the timed iterations read one stretch of the
+    # host's speed, docs/experiments.md, section 25), and every kept round's readings
+    probe_seconds: Optional[float] = None
+    probe_forward_s: Optional[Stat] = None
+    probe_rounds: list[ProbeRound] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
     @property
