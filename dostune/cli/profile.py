@@ -90,7 +90,9 @@ def profile(
 
     With --model, profiles that model under DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU instead:
     forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
-    subgroup's gradients become final in backward, and PCIe traffic per phase. It is written to its own
+    subgroup's gradients become final in backward, and PCIe traffic per phase; then backward's probes (without
+    the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds (a
+    minute on a GPU), so that a few slow seconds of the host do not set the prediction. It is written to its own
     file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node. For several GPUs or nodes run it under
     DeepSpeed's launcher, as training will run (default name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
       deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b --name mynode
