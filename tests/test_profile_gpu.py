@@ -22,7 +22,8 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     from dostune.profile.record import load_node_profile
 
     prof = measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
-                                             reduce_bucket_size=3_000, iters=2, warmup=1, lane_elements=1_000_000),
+                                             reduce_bucket_size=3_000, iters=2, warmup=1, lane_elements=1_000_000,
+                                             probe_seconds=1.0),
                          command="pytest")
     assert prof.device == "cuda" and prof.offload_pin_memory is True
     assert prof.backward_no_copy_s.median > 0
@@ -33,7 +34,10 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     # page-locked copies of every gradient partition: the model's bytes, a backward that ran
     copied = prof.backward_pinned_copy
     assert copied is not None and copied.bytes == 2 * sum(s.numel for s in prof.subgroups)
-    assert copied.backward_s.n == 2 and copied.backward_s.median > 0
+    # schema 8: the probes ran round after round for a second, each round with its page-locked pass
+    rounds = prof.probe_rounds
+    assert len(rounds) > 2 and copied.backward_s.n == len(rounds) and copied.backward_s.median > 0
+    assert all(r.pinned_copy_s > 0 and r.beside_lane_s > 0 for r in rounds)
     assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
     assert prof.step_parts_s["_partition_all_parameters"] > 0
     m = ModelInputs.from_profile(prof)
