@@ -106,3 +106,15 @@ def test_schema_3_measures_the_models_coefficients(prof):
     c = Coefficients.of(NodeInputs.from_profile(load_node_profile(shipped_profile())), m, sizes)
     assert not [n for n in c.notes if "re-profile the model" in n]
     assert c.backward.compute_s == prof.backward_no_copy_s.median
+
+
+def test_the_probes_rounds_fill_their_seconds_and_every_rank_runs_the_most_any_needs():
+    from dostune.profile.backward_probes import MAX_ROUNDS, probe_rounds
+
+    alone = lambda wanted: [wanted]  # noqa: E731 (one rank)
+    assert probe_rounds(5, 0.0, 0.3, alone) == 5  # no span: --iters rounds in a row
+    assert probe_rounds(5, 60.0, 0.5, alone) == 120
+    assert probe_rounds(5, 60.0, 100.0, alone) == 5  # rounds longer than the span: still --iters of them
+    assert probe_rounds(5, 60.0, 1e-4, alone) == MAX_ROUNDS
+    # under the launcher each rank times its own first pass; they must run as many rounds (collectives in backward)
+    assert probe_rounds(5, 60.0, 0.5, lambda wanted: [wanted, 200, 7]) == 200
