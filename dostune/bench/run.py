@@ -33,7 +33,7 @@ from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import WORLD_KEY, World, gather_ranks, rank
 from ..profile.identity import cuda_available, deepspeed_version, nvml, nvml_handle
-from ..profile.timing import NullProgress, ProgressSink, iteration_phases
+from ..profile.timing import NullProgress, ProgressSink, iteration_phases, sync_device
 from ..stats import Stat
 from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
@@ -125,11 +125,6 @@ class BenchOptions:
         return next((v for v in self.variants if v.method == name), None)
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: int,
             progress: ProgressSink) -> dict:
     """Time forward, backward and step of ``iters`` iterations the hypervisor left alone (with the device
@@ -147,7 +142,7 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
         if cuda and timed:
             torch.cuda.reset_peak_memory_stats()
         out = fn()
-        _sync()  # the peak is read after the phase's device work (iteration_phases syncs again: nothing left)
+        sync_device()  # the peak is read after the phase's device work (iteration_phases syncs again: nothing left)
         if cuda and timed:
             phase_peak[name] = max(phase_peak[name], torch.cuda.max_memory_allocated())
         return out
@@ -162,7 +157,7 @@ def measure(engine, spec: ModelSpec, seq: int, iters: int, warmup: int, seed: in
         t_it = time.perf_counter()
         for _ in range(gas):
             batch = spec.batch(mb, seq, gen, engine.device)
-            loss, f1, b1, s1 = iteration_phases(engine, batch, _sync, around=lambda name, fn: phase(name, fn, timed))
+            loss, f1, b1, s1 = iteration_phases(engine, batch, around=lambda name, fn: phase(name, fn, timed))
             f, b, s = f + f1, b + b1, s + s1
             if len(losses) < (warmup + iters) * gas:
                 losses.append(float(loss.detach().float()))

@@ -44,12 +44,10 @@ def time_passes(model: str, seconds: float, micro_batch: int, seq: int) -> Itera
     opt = engine.optimizer
     opt.partition_grads = drop_gradient_copies(opt)
     gen = torch.Generator().manual_seed(opts.seed + 1)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     start, k = time.time(), 0
     try:
         while time.time() - start < seconds:
-            _, fwd, bwd, _ = iteration_phases(engine, spec.batch(micro_batch, seq, gen, engine.device), sync,
-                                              step=False)
+            _, fwd, bwd, _ = iteration_phases(engine, spec.batch(micro_batch, seq, gen, engine.device), step=False)
             opt.zero_grad()  # no step follows: the next pass starts as a fresh iteration
             yield {"pid": os.getpid(), "k": k, "t": round(time.time(), 3), "fwd": round(fwd, 5), "bwd": round(bwd, 5)}
             k += 1

@@ -33,7 +33,7 @@ from .backward_probes import measure_backward_probes
 from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
                            SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
-from .timing import NullProgress, ProgressSink, iteration_phases
+from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
 GiB = 2**30
 # On the H100 hosts backward's speed moved in stretches of seconds, one 15 s window of ten slow (docs/experiments.md,
@@ -241,16 +241,12 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     def iteration(timed: bool = False, last: bool = False) -> tuple[dict[str, float], int, float]:
         """One iteration: its phases' seconds, its place among StepParts' closed steps and its step overhead (-1 and
         0 untimed)."""
         nonlocal backward_s
         batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
-        sync()
+        sync_device()
         if last:
             rec.start()
         secs, closed, step_overhead = {}, -1, 0.0
@@ -269,7 +265,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                 engine.backward(loss)
             else:
                 engine.step()
-            sync()
+            sync_device()
             secs[ph] = dt = time.perf_counter() - t0
             rec.sample(f"{ph}:end")
             if ph == "bwd" and last:
@@ -311,7 +307,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
 
         def backward_pass() -> tuple[float, float, float]:
             _, fwd, bwd, _ = iteration_phases(engine, spec.batch(opts.micro_batch, opts.seq, gen, engine.device),
-                                              sync, step=False)
+                                              step=False)
             end = time.perf_counter()
             return fwd, end - bwd, end
 

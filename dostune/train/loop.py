@@ -239,17 +239,12 @@ def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepR
     gas = engine.gradient_accumulation_steps()
     mb = engine.train_micro_batch_size_per_gpu()
     cuda = torch.cuda.is_available()
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     f = b = s = 0.0
     losses = []
     t_it = time.perf_counter()
     for micro in range(gas):
         batch = data.batch(step * gas + micro, mb, seq, engine.device, rank)
-        loss, f1, b1, s1 = iteration_phases(engine, batch, sync)
+        loss, f1, b1, s1 = iteration_phases(engine, batch)
         f, b, s = f + f1, b + b1, s + s1
         losses.append(float(loss.detach().float()))
     it = time.perf_counter() - t_it
