@@ -62,7 +62,9 @@ class GateSettings(Record):
 
     model: str = "ci-gate"
     micro_batch: int = Field(1, ge=1)
-    seq: int = Field(16, ge=1)
+    # 4 tokens: the step's work depends on the parameters alone, and backward (untimed) is 3x shorter than at 16
+    # on a CPU whose bf16 matmuls take a slow path (AVX2 without AVX-512: about 0.77 s at 16 tokens, 0.25 s at 4)
+    seq: int = Field(4, ge=1)
     precision: Literal["bf16", "fp16"] = "bf16"
     sub_group_size: int = Field(2_000_000, ge=1)
     clip: float = Field(1e-6, gt=0)  # below any gradient norm: the CPU lane runs in the step (module docstring)
@@ -101,6 +103,14 @@ class GateRun(BaseModel):
     speculative: int  # CPU-lane updates started during backward (0: the whole lane ran in the step)
     slow_cpu_lane: float  # the test-only slowdown in this tree's worker (DOSTUNE_TEST_SLOW_CPU_LANE)
     seconds: float
+
+    @property
+    def noise(self) -> float:
+        """Half the spread of the engine pairs' own ratios, relative to the run's ratio: how far this run's repeats
+        disagree with each other (what where buffers landed and the machine's other jobs did to it)."""
+        if not self.engine_ratios:
+            return 0.0
+        return (max(self.engine_ratios) - min(self.engine_ratios)) / (2 * self.ratio)
 
 
 def low_quantile(samples: list[float], q: float) -> float:
