@@ -181,6 +181,8 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     assert run.speculative == 0 and run.slow_cpu_lane == 0.5
     assert len(run.current_cpu_s) == len(run.baseline_wall_s) == 4 and len(run.engine_ratios) == 2
     assert math.isfinite(run.ratio) and run.ratio > 0
+    # the verdict's ratio pairs engine k with engine k: the geometric mean of the pairs' own ratios
+    assert run.ratio == pytest.approx(math.sqrt(run.engine_ratios[0] * run.engine_ratios[1]))
     # a worker that stops says why in one line (here: both refuse an unknown model)
     bad = settings.model_copy(update={"model": "no-such-model"})
     with pytest.raises(gate.GateError, match=r"worker stopped \(exit 1\).*unknown model 'no-such-model'"):
