@@ -336,6 +336,7 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
     q = s.quantile
     # timed step j ran on engine (warmup + j) mod engines of its worker
     by_engine = [[j for j in range(s.pairs) if (s.warmup + j) % s.engines == e] for e in range(s.engines)]
+
     def pair_ratios(m: str) -> list[float]:
         return [low_quantile([cur[m][j] for j in js], q) / low_quantile([ref[m][j] for j in js], q)
                 for js in by_engine if js]

@@ -35,7 +35,8 @@ PRESETS: dict[str, DecoderConfig] = {
     # optimizer-heavy, compute-light: the CI bench of the update step on a CPU (43M parameters, tiny layers)
     "ci-step-bench": DecoderConfig("gpt2", layers=2, hidden=1024, heads=8, vocab=32768, max_positions=64),
     # the CPU regression gate's model (dostune/bench/gate.py): 16M parameters in few tensors, 7 subgroups at
-    # sub_group_size 2M, so a step has work for both lanes and an iteration stays near 0.1 s on a 2-core machine
+    # sub_group_size 2M, so a step has work for both lanes; at the gate's 4 tokens an iteration takes about 0.3 s on a
+    # 2-core AVX2 machine, most of it backward's bf16 matrix products
     "ci-gate": DecoderConfig("gpt2", layers=2, hidden=768, heads=8, vocab=2048, max_positions=64),
     # GPT-2 family (GPT-3 paper shapes, vocabulary padded to 50304)
     "gpt2-125m": DecoderConfig("gpt2", layers=12, hidden=768, heads=12, vocab=50304, max_positions=1024),
