@@ -133,7 +133,6 @@ def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
     assert time.perf_counter() - t0 >= 0.04  # the call's 0.02 s, then as long again
 
 
-@pytest.mark.slow
 def test_a_regression_from_a_noisy_run_is_measured_again_and_the_second_run_decides(tmp_path, monkeypatch):
     """The gate's false alarm on a busy machine: +7.8% with engine pairs 10% apart. Only a regression whose own run
     disagrees by more than the tolerance runs again; a quiet regression and any pass do not."""
@@ -168,6 +167,7 @@ def test_a_regression_from_a_noisy_run_is_measured_again_and_the_second_run_deci
     assert out["runs"][0]["noise"] == pytest.approx(noisy_alarm.noise)
 
 
+@pytest.mark.slow
 def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     """The real thing on a tiny model: both workers build, take turns, report; the CPU lane runs in the step (no
     update during backward: clipping is certain), and the slowdown switch reaches this tree's worker only."""
