@@ -71,3 +71,28 @@ def test_commands_refuse_before_any_work(installed, tmp_path):
         assert r.exit_code == 2 and lines[0].startswith("error: DeepSpeed 0.30.0 is installed"), r.output
         assert len(lines) == 2 and ds.ALLOW_ENV in lines[1]
     assert list(tmp_path.iterdir()) == [cfg]
+
+
+def test_py_cpuinfo_is_asked_once_per_process(monkeypatch):
+    """DeepSpeed asks py-cpuinfo at every CPU Adam and op load, and each answer runs a subprocess: dostune keeps the
+    first (a copy each time), before it builds an engine and when it adopts an optimizer."""
+    import cpuinfo
+
+    from dostune.deepspeed_support import remember_cpu_info
+
+    calls = []
+
+    def fresh_answer():
+        calls.append(1)
+        return {"vendor_id_raw": "GenuineIntel", "flags": ["avx2"]}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", fresh_answer)
+    remember_cpu_info()
+    remember_cpu_info()  # a second call wraps nothing again
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("changed by a caller")  # each caller gets its own copy, as a fresh answer would be
+    first["vendor_id_raw"] = "changed"
+    assert cpuinfo.get_cpu_info() == {"vendor_id_raw": "GenuineIntel", "flags": ["avx2"]}
+    from cpuinfo import get_cpu_info  # as DeepSpeed imports it, inside its functions
+
+    assert get_cpu_info()["vendor_id_raw"] == "GenuineIntel" and len(calls) == 1

@@ -53,7 +53,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from ..deepspeed_support import check_deepspeed
+from ..deepspeed_support import check_deepspeed, remember_cpu_info
 from ..errors import ConfigError
 from .footprint import check_host_fits, check_staging_fits
 from .schedule import Plan, ScheduleConfig
@@ -103,6 +103,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         note = check_deepspeed("dostune's ZeRO-3 optimizer")
         if note:
             log.warning(note)
+        remember_cpu_info()  # the lanes' own CPU Adams ask py-cpuinfo again (deepspeed_support)
         if type(opt) is not DeepSpeedZeroOptimizer_Stage3:
             raise ConfigError(f"dostune needs DeepSpeed's ZeRO-3 optimizer, got {type(opt).__name__} "
                               "(is super_offload or another ZeRO-3 variant enabled?)")

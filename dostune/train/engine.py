@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..deepspeed_support import remember_cpu_info
 from ..dsconfig import activation_checkpointing
 from ..models.registry import ModelSpec, loss_of
 
@@ -33,6 +34,7 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
+    remember_cpu_info()  # before any CPU Adam is built, in this world or the one already made
     if dist.is_initialized():
         return
     own_world = "RANK" not in os.environ
