@@ -133,8 +133,8 @@ def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckRep
         raise UnusableInput(f"--max-regression must be a fraction like 0.05 (5%), got {tolerance}")
     s = base.settings
     note = (f"this tree's optimizer step over commit {base.baseline_commit[:12]}'s: CPU time, {s.quantile:.0%} "
-            f"quantile of each of {len(run.engine_ratios)} engine pairs' steps ({s.pairs} steps in all per worker, taking "
-            f"turns), geometric mean over the pairs (wall clock: {run.wall_ratio:.3f}; noise: half the "
+            f"quantile of each of {len(run.engine_ratios)} engine pairs' steps ({s.pairs} steps in all per worker, "
+            f"taking turns), geometric mean over the pairs (wall clock: {run.wall_ratio:.3f}; noise: half the "
             f"spread of the pairs' ratios; a regression with noise above the tolerance is measured again)")
     rep = CheckReport(tolerance=tolerance, ratio_only=True)
     rep.findings.append(Finding(name="gate/step", baseline=1.0, current=run.ratio, ratio=run.ratio, noise=run.noise,

@@ -103,7 +103,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         note = check_deepspeed("dostune's ZeRO-3 optimizer")
         if note:
             log.warning(note)
-        remember_cpu_info()  # the lanes' own CPU Adams ask py-cpuinfo again (deepspeed_support)
+        # HF and Accelerate build engines without ensure_distributed: from here on their CPU Adams reuse one answer
+        remember_cpu_info()
         if type(opt) is not DeepSpeedZeroOptimizer_Stage3:
             raise ConfigError(f"dostune needs DeepSpeed's ZeRO-3 optimizer, got {type(opt).__name__} "
                               "(is super_offload or another ZeRO-3 variant enabled?)")
