@@ -70,10 +70,9 @@ def _gate(baseline: Path, base, current: Optional[Path], tol: float, update: boo
     need_deepspeed("dostune check (the CPU gate)")
     rep, runs = check_gate(base, tol, LineProgress(), say=lambda line: err_console.print(line, highlight=False))
     fields = {"ratio", "wall_ratio", "engine_ratios", "lanes", "speculative", "slow_cpu_lane", "seconds"}
+    each = [{**r.model_dump(include=fields), "noise": r.noise} for r in runs]
     # the judged run's summary, and every run's when the gate measured twice
-    summary = {**runs[-1].model_dump(include=fields), "noise": runs[-1].noise}
-    if len(runs) > 1:
-        summary["runs"] = [{**r.model_dump(include=fields), "noise": r.noise} for r in runs]
+    summary = {**each[-1], **({"runs": each} if len(each) > 1 else {})}
     return rep, {"gate": {"baseline_commit": base.baseline_commit, **summary}}
 
 
