@@ -17,7 +17,10 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the seventh (gpt2_0_7b, llama_1_1b, gpt2_1_4b, llama_1_6b; results/h100/heldout-7/), added before any run of them,
   measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b a day later;
 * the eighth (llama_0_7b, gpt2_1_2b, llama_2_5b, gpt2_4_1b, llama_6_4b; results/h100/heldout-8/), added before any run
-  of them, the first profiled with the backward probes spread over a minute (model profile schema 8).
+  of them, the first profiled with the backward probes spread over a minute (model profile schema 8); gpt2_4_1b and
+  llama_6_4b not run yet;
+* the ninth (gpt2_1_3b, llama_1_0b, llama_2_1b, gpt2_2_3b; results/h100/heldout-9/), added before any run of them, the
+  first profiled with the CPU lane's probe reading from memory (model profile schema 9).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -85,6 +88,13 @@ SHAPES = {
     "gpt2_4_1b": DecoderConfig("gpt2", layers=40, hidden=2880, heads=18, vocab=50304, max_positions=1024),
     "llama_6_4b": DecoderConfig("llama", layers=32, hidden=4352, heads=34, vocab=32000, max_positions=4096,
                                 ffn=11520, kv_heads=2),
+    # the ninth set
+    "gpt2_1_3b": DecoderConfig("gpt2", layers=23, hidden=2112, heads=33, vocab=50304, max_positions=1024),
+    "llama_1_0b": DecoderConfig("llama", layers=15, hidden=2304, heads=36, vocab=32000, max_positions=2048, ffn=6272,
+                                kv_heads=4),
+    "llama_2_1b": DecoderConfig("llama", layers=28, hidden=2560, heads=40, vocab=32000, max_positions=4096, ffn=6784,
+                                kv_heads=8),
+    "gpt2_2_3b": DecoderConfig("gpt2", layers=34, hidden=2304, heads=36, vocab=50304, max_positions=1024),
 }
 
 
