@@ -125,18 +125,6 @@ def test_the_lane_beside_backward_is_never_faster_than_alone():
     assert s.lane_backward_slowdown == pytest.approx(0.8) and s.lane_step_slowdown == pytest.approx(0.8)
 
 
-def test_a_lane_probe_over_one_scratch_subgroup_is_taken_as_read_with_a_note():
-    # model profiles before schema 9 updated one scratch subgroup over and over, which the last-level cache can hold
-    n = node()
-    composed = 1 / 20e9 + 1 / 4e9 + 1 / 10e9
-    lane = dict(lane_threads=16, lane_beside_s_per_elem=1.2 * composed, lane_alone_s_per_elem=0.8 * composed)
-    for subgroups, noted in ((1, True), (5, False)):
-        c = Coefficients.of(n, model(profile_schema=9, step_shares=(0.7, 0.4), **lane, lane_subgroups=subgroups),
-                            SIZES)
-        assert c.shape.lane_step_slowdown == pytest.approx(0.8)
-        assert any("the CPU lane's rate from memory" in x and "re-profile the model" in x for x in c.notes) == noted
-
-
 def test_cpu_adam_and_unscale_at_the_rates_the_engine_ran_them():
     n = node()
     adam = series([(10**8, 10**8 / 4e9 * 1.25), (2 * 10**8, 2 * 10**8 / 4e9 * 1.25)])

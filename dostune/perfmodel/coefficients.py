@@ -128,9 +128,6 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         lane = m.lane_beside_s_per_elem / composed
         if m.lane_alone_s_per_elem:
             lane = max(lane, alone)
-        if m.lane_subgroups == 1:
-            missing.append(("the CPU lane's rate from memory (its probe updated one scratch subgroup over and over, "
-                            "which the last-level cache can hold)", "the probe's rate as read"))
     elif m.profile_schema is not None:
         missing.append(("the CPU lane beside backward", f"the CPU lane at {FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the "
                         "node profile's CPU-lane time"))

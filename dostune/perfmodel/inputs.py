@@ -152,7 +152,6 @@ class ModelInputs(BaseModel):
     lane_threads: Optional[int] = None  # that kernel's threads
     lane_beside_s_per_elem: Optional[float] = None  # its update during that backward, seconds per element
     lane_alone_s_per_elem: Optional[float] = None  # ... and with nothing else running
-    lane_subgroups: Optional[int] = None  # the scratch subgroups its updates took in turn (1: one, maybe cached)
     step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
     ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
     ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
@@ -178,7 +177,6 @@ class ModelInputs(BaseModel):
                    lane_threads=lane.threads if lane is not None else None,
                    lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,
                    lane_alone_s_per_elem=lane.lane_alone_s.median / lane.elements if lane is not None else None,
-                   lane_subgroups=lane.subgroups if lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
                    ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 

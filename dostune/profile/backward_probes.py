@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -65,41 +64,6 @@ def copy_gradients_pinned(opt, scratch: torch.Tensor) -> Callable:
     return partition
 
 
-# bytes of one element the CPU-lane kernel reads: fp32 parameter, both moments, and the half-precision gradient
-def _input_bytes(half: torch.dtype) -> int:
-    return 3 * 4 + torch.tensor([], dtype=half).element_size()
-
-
-# assumed where the host does not say how large its last-level cache is: larger than any server CPU's we know of
-UNKNOWN_CACHE_BYTES = 1 << 30
-
-
-def last_level_cache_bytes() -> Optional[int]:
-    """The largest CPU cache the host lists (Linux sysfs, the first CPU's), in bytes; None where it lists none."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[-1:].upper() in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1:].upper()])
-        elif text.isdigit():
-            sizes.append(int(text))
-    return max(sizes) if sizes else None
-
-
-def scratch_subgroups(elements: int, half: torch.dtype = torch.bfloat16, cache: Optional[int] = None) -> int:
-    """How many scratch subgroups of ``elements`` the lane probe takes in turn so that their inputs together are at
-    least twice the last-level cache (``cache``, default: this host's): each update then reads from memory, as the lane
-    reads each subgroup once per step in training. One subgroup over and over stays in the cache where it fits: on the
-    H100 hosts (300 MiB L3) a 10M-element update read 0.18 ns per element so, 0.24 in turn over four
-    (docs/experiments.md, section 29)."""
-    cache = cache or last_level_cache_bytes() or UNKNOWN_CACHE_BYTES
-    return max(2, math.ceil(2 * cache / (elements * _input_bytes(half))))
-
-
 # updates timed by LaneLoad.alone_in_thread: a 10M-element update took 2-9 ms on the H100 hosts, so 50 cost under half
 # a second
 LANE_THREAD_UPDATES = 50
@@ -107,12 +71,10 @@ LANE_THREAD_UPDATES = 50
 
 class LaneLoad:
     """dostune's CPU-lane kernel (out-of-place CPU Adam: half-precision gradients in, fp32 states and half-precision
-    parameters out, streaming stores) on scratch subgroups of ``elements``, one after another, round after round in a
-    worker thread while the context is open, with Python's GIL switch interval the CPU lane sets while it works.
-    ``subgroups``: how many the updates take in turn (default: scratch_subgroups)."""
+    parameters out, streaming stores) on a scratch subgroup of ``elements``, round after round in a worker thread while
+    the context is open, with Python's GIL switch interval the CPU lane sets while it works."""
 
-    def __init__(self, elements: int, threads: int, half: torch.dtype = torch.bfloat16,
-                 subgroups: Optional[int] = None):
+    def __init__(self, elements: int, threads: int, half: torch.dtype = torch.bfloat16):
         from ..optim import cpu_kernel
         from ..optim.kernels import AdamScalarShadow
 
@@ -120,16 +82,11 @@ class LaneLoad:
         self._kernel = cpu_kernel
         gen = torch.Generator().manual_seed(0)
         self.elements, self.threads = elements, threads
-        self.subgroups = subgroups or scratch_subgroups(elements, half)
-        # Each update reads the next scratch subgroup's inputs, in turn: in training each subgroup is read once per
-        # step, from memory. Outputs go out with streaming stores, past the cache, so one set of them serves all.
-        shape = (self.subgroups, elements)
-        self.p = torch.randn(shape, generator=gen)
-        self.g = (torch.randn(shape, generator=gen) * 1e-3).to(half)
-        self.m, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.p = torch.randn(elements, generator=gen)
+        self.g = (torch.randn(elements, generator=gen) * 1e-3).to(half)
+        self.m, self.v = torch.zeros(elements), torch.zeros(elements)
         self.out = [torch.empty(elements) for _ in range(3)]
         self.half = torch.empty(elements, dtype=half)
-        self._next = 0
         shadow = AdamScalarShadow(0.9, 0.999)
         shadow.increment(1, 0.9, 0.999)
         self.scalars = shadow.scalars(1e-4, 1e-8, 0.01, True, True)
@@ -140,9 +97,8 @@ class LaneLoad:
         self._switch: Optional[float] = None
 
     def update(self) -> None:
-        i, self._next = self._next, (self._next + 1) % self.subgroups
-        self._kernel.adam_out_of_place(self.p[i], self.g[i], self.m[i], self.v[i], *self.out, self.scalars,
-                                       inv_scale=1.0, half_out=self.half, threads=self.threads, nontemporal=True)
+        self._kernel.adam_out_of_place(self.p, self.g, self.m, self.v, *self.out, self.scalars, inv_scale=1.0,
+                                       half_out=self.half, threads=self.threads, nontemporal=True)
 
     def alone(self, repeats: int) -> Stat:
         return time_cpu(self.update, repeats)
@@ -310,7 +266,7 @@ def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, floa
         return BackwardProbes(
             no_copy=Stat.of([b - a for _, a, b in alone]), forward=Stat.of([f for f, _, _ in alone]),
             lane=BackwardLaneProfile(
-                threads=lane.threads, elements=lane.elements, subgroups=lane.subgroups, lane_alone_s=lane_alone,
+                threads=lane.threads, elements=lane.elements, lane_alone_s=lane_alone,
                 lane_alone_thread_s=lane_alone_thread, lane_beside_s=Stat.of(beside),
                 backward_s=Stat.of([b - a for a, b in windows])) if beside else None,
             pinned_copy=copied, rounds=kept_rounds, set_aside=rounds.set_aside(), notes=notes)

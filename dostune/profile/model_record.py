@@ -28,10 +28,8 @@ from .record import Series
 # 8: probe_seconds, probe_forward_s, probe_rounds (the backward probes spread over a span of seconds, the forward
 # before each timed, and every round's readings). Older profiles load with none: the model takes forward from the
 # timed iterations then.
-# 9: backward_lane.subgroups (the lane probe's scratch subgroups, taken in turn so that each update reads from memory,
-# not from the last-level cache). Older profiles load with 1, one subgroup over and over; the model says so.
-MODEL_SCHEMA_VERSION = 9
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+MODEL_SCHEMA_VERSION = 8
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -76,10 +74,7 @@ class BackwardLaneProfile(Record):
     how much the lane slows backward's host-bound hooks, and how fast the lane runs beside them."""
 
     threads: int = Field(ge=1)  # the lane's OpenMP threads (the CPU lane's default during backward)
-    elements: int = Field(gt=0)  # one update of a scratch subgroup
-    # v9: the scratch subgroups the updates take in turn, their inputs at least twice the last-level cache; 1 before
-    # (one over and over, which the cache could hold: it read up to 1.35x fast, docs/experiments.md, section 29)
-    subgroups: int = Field(1, ge=1)
+    elements: int = Field(gt=0)  # one update of the scratch subgroup
     lane_alone_s: Stat  # one update, nothing else running
     # v7: the same, timed in the worker thread under the lane's GIL switch interval while the main thread waits (not
     # read by the model: docs/experiments.md, section 19)
