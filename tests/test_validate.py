@@ -182,7 +182,7 @@ def test_figure_record_and_report(tuned, tmp_path):
     assert validation_report.main([str(tmp_path / "missing.json")]) == 2
 
 
-def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int):
+def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int, bench=FakeBench):
     """`dostune tune --validate N` with FakeBench's made-up measurements where no GPU is: its output on one line,
     and the tune.json it wrote."""
     from typer.testing import CliRunner
@@ -193,7 +193,7 @@ def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int):
     real = validate_module.validate
     monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
     monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
-        res, n, **kw, runner=FakeBench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
+        res, n, **kw, runner=bench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
     r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", str(n),
                                  "--validate-rounds", str(rounds)])
     assert r.exit_code == 0, r.output
@@ -212,6 +212,7 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
             "over the validated runs (1 iteration set aside)") in out
     assert "rounds apart" not in out  # one round: nothing to compare
+    assert "adaptive_swing moved" not in out  # FakeBench's schedules record no swing
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
 
 
@@ -224,6 +225,33 @@ def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatc
     assert ("rounds apart (median over rows of how much longer the slowest round took than the fastest, "
             "iteration / step): dostune 10.0% / 10.0%, zero-offload 10.0% / 10.0%; the same schedule measured in "
             "separate processes") in out
+
+
+class Swings(FakeBench):
+    """FakeBench whose first schedule's swing moved GPU-lane subgroups in its timed iterations (3, 3, 4 in each
+    round), whose others moved none; ZeRO-Offload has no swing."""
+
+    def __call__(self, name, spec, opts, offload, progress):
+        got = super().__call__(name, spec, opts, offload, progress)
+        if name == "dostune" and got.ran:
+            first = next(c[2] for c in self.calls if c[0] == "dostune")
+            got = got.model_copy(update={"swing": [3, 3, 4] if offload is first else [0, 0, 0]})
+        return got
+
+
+def test_validate_records_the_split_the_swing_ran_and_the_command_says_so(tuned, tmp_path, monkeypatch):
+    """The model predicts the tuned split; adaptive_swing may run another. Each row keeps the split of every timed
+    iteration, and the command names the rows that moved, since their measured step is another split's."""
+    rows = validate(tuned, 3, seq=1024, rounds=2, runner=Swings((1.0, 1.0, 1.0)), host_available=120 * 2**30).rows
+    zo, first, third = rows  # (FakeBench's #2 runs out of memory)
+    assert zo.measured_swing is None and zo.swung() is None
+    assert first.measured_swing == [3, 3, 4, 3, 3, 4] and first.swung() == (3, 4)
+    assert third.measured_swing == [0] * 6 and third.swung() is None  # recorded, but nothing moved
+    out, res = _tune_validate(tmp_path, monkeypatch, 3, 1, bench=Swings)
+    assert [(v.label, v.swung()) for v in res.validation] == [("zero-offload", None), ("dostune #1", (3, 4)),
+                                                               ("dostune #3", None)]
+    assert ("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring (median / most over the timed "
+            "iterations): dostune #1 3 / 4; the predictions are of the tuned split") in out
 
 
 class StopsAt(FakeBench):

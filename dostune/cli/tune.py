@@ -233,6 +233,14 @@ def tune(
             err_console.print("rounds apart (median over rows of how much longer the slowest round took than the "
                               "fastest, iteration / step): " + ", ".join(spreads)
                               + "; the same schedule measured in separate processes", highlight=False)
+        swung = [(v.label, *moved) for v in res.validation if (moved := v.swung()) is not None]
+        if swung:
+            # adaptive_swing moves GPU-lane subgroups to the CPU lane when the lanes' measured times disagree with the
+            # tuned split; the model predicts that split, so the step of a row that moved is another split's
+            err_console.print("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring (median / most "
+                              "over the timed iterations): "
+                              + ", ".join(f"{label} {med:g} / {most}" for label, med, most in swung)
+                              + "; the predictions are of the tuned split", highlight=False)
         prof_steal, val_steal = res.profile_steal, res.validation_steal()
         if prof_steal is not None or val_steal is not None:
             # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured

@@ -9,8 +9,9 @@ from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
 # figure; 4: the host's steal in the model profile and in each validated run; 5: the timed iterations each set aside
-# for steal; 6: each validated row's per-round medians (every new field optional: older files still parse)
-TUNE_SCHEMA_VERSION = 6
+# for steal; 6: each validated row's per-round medians; 7: the swing in each of a validated row's timed iterations
+# (every new field optional: older files still parse)
+TUNE_SCHEMA_VERSION = 7
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -90,6 +91,18 @@ class Validation(Record):
     # fresh process, so these say how far the same schedule moves from one process to the next
     measured_round_iter_s: Optional[list[float]] = None
     measured_round_step_s: Optional[list[float]] = None
+    # v7. How many of the GPU lane's streamed subgroups the CPU lane had (adaptive_swing) in each timed iteration, in
+    # the order run (bench's MethodResult.swing); None for a method without a swing. The prediction is of the tuned
+    # split, which the swing leaves as it is until the lanes' measured times disagree with it
+    measured_swing: Optional[list[int]] = None
+
+    def swung(self) -> Optional[tuple[float, int]]:
+        """(median, most) GPU-lane subgroups the swing had moved to the CPU lane over the timed iterations; None where
+        it moved none or nothing was recorded: a row that moved measured another split than the one predicted."""
+        xs = self.measured_swing
+        if not xs or max(xs) == 0:
+            return None
+        return median(xs), max(xs)
 
     def predicted(self, phase: str) -> Optional[float]:
         return getattr(self, f"predicted_{phase}_s")

@@ -38,8 +38,8 @@ Runner = Callable[[str, ModelSpec, BenchOptions, OffloadSettings, ProgressSink],
 
 def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], predicted: PredictedTimes,
         measured: MethodResult) -> Validation:
-    """One validated row: the prediction's phases beside the measured medians, pooled over the rounds, and each
-    round's own medians."""
+    """One validated row: the prediction's phases beside the measured medians, pooled over the rounds, each round's
+    own medians, and the split the swing ran each timed iteration with."""
     return Validation(label=label, method=method, sub_group_size=sub_group_size, schedule=schedule,
                       predicted_fwd_s=predicted.fwd_s, predicted_bwd_s=predicted.bwd_s,
                       predicted_step_s=predicted.step_s, predicted_iter_s=predicted.iter_s,
@@ -49,7 +49,7 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       measured_steal=measured.steal,
                       set_aside=measured.set_aside.runs if measured.set_aside is not None else None,
                       measured_round_iter_s=measured.round_iter_s or None,
-                      measured_round_step_s=measured.round_step_s or None)
+                      measured_round_step_s=measured.round_step_s or None, measured_swing=measured.swing or None)
 
 
 @dataclass
