@@ -252,6 +252,13 @@ def test_validate_records_the_split_the_swing_ran_and_the_command_says_so(tuned,
                                                                ("dostune #3", None)]
     assert ("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring (median / most over the timed "
             "iterations): dostune #1 3 / 4; the predictions are of the tuned split") in out
+    # the report across models: in how many of a method's rows the swing moved; tables without it keep their form
+    table = validation_report.markdown(validation_report.summarize([tuned.model_copy(update={"validation": rows})]))
+    assert "| swing moved |" in table and "Swing moved: of the rows that recorded" in table
+    assert table.count("| 1 of 2 |") == 1 and table.splitlines()[-1].endswith("| - |")  # ZeRO-Offload: no swing
+    plain = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
+    assert "swing" not in validation_report.markdown(validation_report.summarize(
+        [tuned.model_copy(update={"validation": plain.rows})]))
 
 
 class StopsAt(FakeBench):

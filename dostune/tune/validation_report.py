@@ -2,8 +2,8 @@
 model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
 ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between profile and validation
 (TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs,
-and the timed iterations each set aside for it, and how far each row's rounds (each a fresh process) were apart,
-where they recorded them.
+and the timed iterations each set aside for it, how far each row's rounds (each a fresh process) were apart, and in
+how many rows adaptive_swing ran another split than the predicted one, where they recorded them.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
@@ -49,11 +49,13 @@ def summarize(results: list[TuneResult]) -> list[dict]:
             if not n:
                 continue
             it, st = res.median_error("iter", method), res.median_error("step", method)
+            recorded = [v for v in res.validation if v.method == method and v.measured_swing is not None]
             out.append({"model": res.model, "params": res.params, "method": method, "rows": n, "iter": it,
                         "step": st, "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
                         "steal": (res.profile_steal, res.validation_steal()),
                         "set_aside": (res.profile_set_aside, res.validation_set_aside()),
                         "rounds_apart": (res.round_spread("iter", method), res.round_spread("step", method)),
+                        "swung": (sum(v.swung() is not None for v in recorded), len(recorded)) if recorded else None,
                         "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
     return out
 
@@ -71,6 +73,7 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
     steal = any(x is not None for r in rows for x in r.get("steal", ()))
     aside = any(x is not None for r in rows for x in r.get("set_aside", ()))
     apart = any(x is not None for r in rows for x in r.get("rounds_apart", ()))
+    swing = any(r.get("swung") is not None for r in rows)
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})"
              + (", re-predicted by today's model from each validation's profiles (python -m "
@@ -84,12 +87,15 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
                 "run again (docs/experiments.md, section 17)." if aside else "")
              + (" Rounds apart: per row, how much longer its slowest round took than its fastest, each round a fresh "
                 "process running the same schedule; the median over the model's rows, iteration / step. Errors of "
-                "that size are the measurement's own (docs/experiments.md, section 20)." if apart else ""), "",
+                "that size are the measurement's own (docs/experiments.md, section 20)." if apart else "")
+             + (" Swing moved: of the rows that recorded adaptive_swing's split, those that ran with GPU-lane subgroups "
+                "moved to the CPU lane in a timed iteration; the model predicts the tuned split, so their step is "
+                "another split's (docs/performance-model.md)." if swing else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
              + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else "")
-             + (" rounds apart |" if apart else ""),
+             + (" rounds apart |" if apart else "") + (" swing moved |" if swing else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")
-             + ("---|" if apart else "")]
+             + ("---|" if apart else "") + ("---|" if swing else "")]
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
                 f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
@@ -99,6 +105,8 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
             line += " " + " / ".join("-" if x is None else str(x) for x in r["set_aside"]) + " |"
         if apart:
             line += f" {_pct(r['rounds_apart'][0])} / {_pct(r['rounds_apart'][1])} |"
+        if swing:
+            line += " - |" if r.get("swung") is None else " {} of {} |".format(*r["swung"])
         lines.append(line)
     return "\n".join(lines) + "\n"
 
