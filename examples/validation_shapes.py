@@ -22,7 +22,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the ninth (gpt2_1_3b, llama_1_0b, llama_2_1b, gpt2_2_3b), added before any run of them, profiled with a CPU-lane
   probe that read from memory rather than the cache; that probe lost its A/B on them and was taken out, and their
   traces were looked at (docs/experiments.md, section 29), so they are seen now;
-* the tenth (llama_1_4b), added before any run of it.
+* the tenth (llama_1_4b), added before any run of it;
+* the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -100,6 +101,10 @@ SHAPES = {
     # the tenth set
     "llama_1_4b": DecoderConfig("llama", layers=17, hidden=2432, heads=19, vocab=32000, max_positions=2048, ffn=6656,
                                 kv_heads=19),
+    # the eleventh set
+    "gpt2_1_6b": DecoderConfig("gpt2", layers=26, hidden=2176, heads=17, vocab=50304, max_positions=1024),
+    "llama_1_9b": DecoderConfig("llama", layers=22, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7168,
+                                kv_heads=7),
 }
 
 
