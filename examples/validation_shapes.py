@@ -18,12 +18,13 @@ coefficient in this repository came from them before their `dostune tune --valid
   measured with 12 iterations per round (docs/experiments.md, section 18); gpt2_1_4b and llama_1_6b a day later;
 * the eighth (llama_0_7b, gpt2_1_2b, llama_2_5b, gpt2_4_1b, llama_6_4b; results/h100/heldout-8/), added before any run
   of them, the first profiled with the backward probes spread over a minute (model profile schema 8); gpt2_4_1b and
-  llama_6_4b not validated yet;
+  llama_6_4b validated later;
 * the ninth (gpt2_1_3b, llama_1_0b, llama_2_1b, gpt2_2_3b), added before any run of them, profiled with a CPU-lane
   probe that read from memory rather than the cache; that probe lost its A/B on them and was taken out, and their
   traces were looked at (docs/experiments.md, section 29), so they are seen now;
 * the tenth (llama_1_4b), added before any run of it;
-* the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them.
+* the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them; gpt2_1_6b was profiled once (its validation was
+  cut short, nothing kept), llama_1_9b has not run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
