@@ -118,3 +118,20 @@ def test_the_probes_rounds_fill_their_seconds_and_every_rank_runs_the_most_any_n
     assert probe_rounds(5, 60.0, 1e-4, alone) == MAX_ROUNDS
     # under the launcher each rank times its own first pass; they must run as many rounds (collectives in backward)
     assert probe_rounds(5, 60.0, 0.5, lambda wanted: [wanted, 200, 7]) == 200
+
+
+def test_pass_spread_is_each_passs_interquartile_range_over_its_median():
+    from pathlib import Path
+    from dostune.profile.model_record import ProbeRound, load_model_profile
+
+    prof = load_model_profile(Path(__file__).resolve().parents[1] / "results/h100/heldout-8/llama_6_4b-profile.json")
+
+    def spread(rounds):
+        return prof.model_copy(update={"probe_rounds": rounds}).pass_spread()
+
+    # forward 1..8 s: quartiles 2.25 and 6.75 (statistics.quantiles' default), median 4.5; backward beside the lane
+    # never ran
+    rounds = [ProbeRound(t_s=i, forward_s=i + 1.0, no_copy_s=2.0) for i in range(8)]
+    assert spread(rounds) == {"forward_s": pytest.approx(4.5 / 4.5), "no_copy_s": 0.0}
+    assert spread(rounds[:3]) == {}  # too few rounds for quartiles
+    assert spread([]) == {}  # profiles before schema 8

@@ -245,3 +245,24 @@ def test_a_model_whose_offloaded_state_no_schedule_fits_on_the_host_is_refused_f
     # refused before the missing model profile is asked for (profiling it would be killed by the OOM killer)
     with pytest.raises(DostuneError, match="pin at least 218.2 GiB of host memory for llama-13b"):
         build_space(TuneOptions(model="llama-13b", profile=shipped_profile()))
+
+
+def test_tune_names_the_passes_that_wandered_over_the_model_profiles_probe_rounds(monkeypatch):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root))  # examples.validation_shapes
+    held = root / "results" / "h100" / "heldout-8"
+
+    def notes(shape, node, micro_batch):
+        opts = TuneOptions(model=f"examples.validation_shapes:{shape}", profile=held / node,
+                           model_profile=held / f"{shape}-profile.json", micro_batch=micro_batch)
+        build_space(opts)
+        return [n for n in opts.notes if "wandered" in n]
+
+    # gpt2_4_1b at micro-batch 8: its passes ran 21-40% apart over the minute of rounds (docs/experiments.md, 30)
+    [note] = notes("gpt2_4_1b", "node-c.json", 8)
+    assert "its 36 probe rounds" in note and "forward 40%, backward without copies 33%, backward beside the CPU lane " \
+        "21%" in note
+    # llama_6_4b at micro-batch 16 with checkpointing: within 2%, nothing to say
+    assert notes("llama_6_4b", "node-b.json", 16) == []

@@ -7,6 +7,7 @@ reads both.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Literal, Optional
 
 from pydantic import Field
@@ -188,6 +189,18 @@ class ModelProfile(Record):
     @property
     def world_size(self) -> int:
         return self.world.nodes * self.world.gpus_per_node
+
+    def pass_spread(self) -> dict[str, float]:
+        """How far forward, backward without copies and backward beside the CPU lane each wandered over the probe
+        rounds (schema 8): the interquartile range over the median, by ``ProbeRound`` field. Empty where a pass has
+        fewer than four rounds (older profiles have none)."""
+        out = {}
+        for name in ("forward_s", "no_copy_s", "beside_lane_s"):
+            xs = [x for r in self.probe_rounds if (x := getattr(r, name)) is not None]
+            if len(xs) >= 4:
+                q1, _, q3 = statistics.quantiles(xs, n=4)
+                out[name] = (q3 - q1) / statistics.median(xs)
+        return out
 
     @property
     def offload_pinned(self) -> bool:

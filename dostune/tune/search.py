@@ -98,7 +98,32 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
     if model is None:
         opts.notes.append("no model profile: forward/backward times and the step's free memory are unknown, so the "
                           "search minimises the optimizer step alone (run `dostune profile --model` for more)")
+    else:
+        note = wide_pass_note(model)
+        if note:
+            opts.notes.append(note)
     return node, node_path, model, model_path
+
+
+# A pass whose probe rounds spread wider than this (interquartile range over the median) is named: the model predicts
+# it at the median, and the iteration's prediction is held to 10% (docs/performance-model.md, "Validating").
+WIDE_PASS_SPREAD = 0.10
+PASS_NAMES = {"forward_s": "forward", "no_copy_s": "backward without copies", "beside_lane_s": "backward beside the "
+              "CPU lane"}
+
+
+def wide_pass_note(model: ModelProfile) -> Optional[str]:
+    """A note naming the passes that wandered more than ``WIDE_PASS_SPREAD`` over the model profile's probe rounds:
+    on the H100 hosts such passes were paced by the host, whose speed moves in stretches of seconds, and training
+    measured minutes later may fall in another stretch (docs/experiments.md, sections 25 and 30)."""
+    wide = {name: x for name, x in model.pass_spread().items() if x > WIDE_PASS_SPREAD}
+    if not wide:
+        return None
+    passes = ", ".join(f"{PASS_NAMES[name]} {x:.0%}" for name, x in wide.items())
+    return (f"the model profile's passes wandered over its {len(model.probe_rounds)} probe rounds (interquartile "
+            f"range over the median): {passes}; the predictions take each pass's median, so a measured iteration "
+            "may land anywhere in that spread (passes that wait on the host wander so: docs/experiments.md, "
+            "section 30)")
 
 
 def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_path: Path,
