@@ -24,7 +24,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   traces were looked at (docs/experiments.md, section 29), so they are seen now;
 * the tenth (llama_1_4b), added before any run of it;
 * the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them; gpt2_1_6b was profiled once (its validation was
-  cut short, nothing kept), llama_1_9b has not run.
+  cut short, nothing kept), llama_1_9b has not run;
+* the twelfth (gpt2_2_7b, llama_2_8b), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -106,6 +107,10 @@ SHAPES = {
     "gpt2_1_6b": DecoderConfig("gpt2", layers=26, hidden=2176, heads=17, vocab=50304, max_positions=1024),
     "llama_1_9b": DecoderConfig("llama", layers=22, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7168,
                                 kv_heads=7),
+    # the twelfth set
+    "gpt2_2_7b": DecoderConfig("gpt2", layers=34, hidden=2496, heads=24, vocab=50304, max_positions=1024),
+    "llama_2_8b": DecoderConfig("llama", layers=26, hidden=3072, heads=24, vocab=32000, max_positions=2048, ffn=8192,
+                                kv_heads=6),
 }
 
 
