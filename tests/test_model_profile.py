@@ -71,8 +71,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 9 and prof.offload_pin_memory is True and prof.offload_pinned
-    assert prof.reference is None  # measure_model alone: the reference run is the command's (reference.py)
+    assert prof.schema_version == 8 and prof.offload_pin_memory is True and prof.offload_pinned
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set
@@ -136,49 +135,3 @@ def test_pass_spread_is_each_passs_interquartile_range_over_its_median():
     assert spread(rounds) == {"forward_s": pytest.approx(1.0), "no_copy_s": 0.0}
     assert spread(rounds[:3]) == {}  # too few rounds for quartiles
     assert spread([]) == {}  # profiles before schema 8
-
-
-def _profile_with_reference(prof, tmp_path, monkeypatch, runner, *flags):
-    """`dostune profile --model` with the measurement replaced by ``prof`` and the reference's rounds by ``runner``."""
-    monkeypatch.setattr("dostune.profile.model.measure_model", lambda opts, progress: prof)
-    monkeypatch.setattr("dostune.bench.run.run_method", runner)
-    out = tmp_path / "p.json"
-    r = CliRunner().invoke(app, ["profile", "--model", "gpt2-tiny", "--micro-batch", "2", "--seq", "32",
-                                 "--output", str(out), *flags])
-    return r, out
-
-
-def test_the_profile_command_runs_dostune_on_the_model_for_reference(prof, tmp_path, monkeypatch):
-    from test_calibration import FakeRuns
-
-    runs = FakeRuns()
-    r, out = _profile_with_reference(prof, tmp_path, monkeypatch, runs, "--reference")
-    assert r.exit_code == 0, r.output
-    saved = load_model_profile(out)
-    assert saved.reference is not None and saved.reference.rounds == 2 and len(runs.calls) == 2
-    assert ("dostune's reference run (gpu_fraction 0.2, overlap_backward, 25M-element subgroups; 2 rounds of 12 "
-            "iterations): forward 0.105 s, backward 0.305 s") in " ".join(r.output.split())
-    # on this machine (no GPU) it runs only when asked
-    r, out = _profile_with_reference(prof, tmp_path, monkeypatch, FakeRuns(), "--force")
-    assert r.exit_code == 0 and load_model_profile(out).reference is None
-
-
-def test_a_reference_that_did_not_run_keeps_the_profile_with_a_note(prof, tmp_path, monkeypatch):
-    from test_calibration import FakeRuns
-
-    r, out = _profile_with_reference(prof, tmp_path, monkeypatch, FakeRuns(fail=1), "--reference")
-    assert r.exit_code == 0, r.output
-    saved = load_model_profile(out)
-    assert saved.reference is None and saved.notes[-1].startswith("the reference schedule did not run (CUDA out of "
-                                                                  "memory)")
-
-
-def test_the_reference_is_refused_under_the_launcher_before_measuring(prof, tmp_path, monkeypatch):
-    from test_calibration import FakeRuns
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_SIZE", "2")
-    runs = FakeRuns()
-    r, out = _profile_with_reference(prof, tmp_path, monkeypatch, runs, "--reference")
-    assert r.exit_code == 2 and "--reference runs dostune in a fresh process of its own" in r.output
-    assert not out.exists() and not runs.calls

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import DostuneError
-from ..profile.identity import cuda_available, gpu_info
+from ..profile.identity import gpu_info
 from ..profile.node import NodeProfileOptions, default_name, measure_node
 from ..profile.record import node_profile_schema
 from ..records import check_writable, save_record
@@ -70,11 +70,6 @@ def profile(
                                                   "this many seconds, so that a few slow seconds of the host do not "
                                                   "set the prediction. Default: 60 on a GPU, 0 (--iters rounds in a "
                                                   "row) without one."),
-    reference: Optional[bool] = typer.Option(None, "--reference/--no-reference", help="With --model: also run "
-                                             "dostune itself on the model with one fixed schedule (2 rounds of 12 "
-                                             "iterations, each a fresh process) and calibrate the performance model "
-                                             "to it (docs/performance-model.md). Default: on a GPU, in a world of "
-                                             "one."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
                                           "checkpoint every transformer block (recompute its activations "
@@ -111,7 +106,7 @@ def profile(
         return
     if model is not None:
         _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
-                       activation_checkpointing, probe_seconds, reference)
+                       activation_checkpointing, probe_seconds)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -157,12 +152,11 @@ def render_model_profile(p) -> Table:
 
 
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
-                   activation_checkpointing=False, probe_seconds=None, reference=None):
+                   activation_checkpointing=False, probe_seconds=None):
     from ..models.registry import resolve_model
     from ..perfmodel.world import World, rank
     from ..profile.timing import NullProgress
     from ..profile.model import ModelProfileOptions, measure_model, model_profile_name, plot_memory_timeline
-    from ..profile.reference import describe_reference, measure_reference
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                sub_group_size=sub_group_size, iters=iters, node=node,
@@ -186,18 +180,8 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
     need_deepspeed("dostune profile --model")
     # under the launcher rank 0 alone shows progress
     shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
-    world = World.of_run()
-    if reference is None:
-        reference = cuda_available() and world.size == 1
-    elif reference and world.size > 1:
-        raise DostuneError("--reference runs dostune in a fresh process of its own, which a rank of the launcher's "
-                           "world cannot", hint="leave out --reference under the launcher")
     with shown as progress, quiet_stdout():
         prof = measure_model(opts, progress)
-        if reference:
-            run, note = measure_reference(model, micro_batch, seq, dtype, activation_checkpointing, sub_group_size,
-                                          progress)
-            prof = prof.model_copy(update={"reference": run, "notes": prof.notes + ([note] if note else [])})
     if rank() != 0:  # under the launcher every rank measured; rank 0 writes what they measured together
         return
     save_record(prof, path)
@@ -207,11 +191,6 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
                       f"{max(s.numel for s in prof.subgroups) / 1e6:.1f}M elements; optimizer state "
                       f"{prof.optimizer_state_bytes / 2**30:.1f} GiB on the host; gradients final between "
                       + (f"{min(ready):.3f} and {max(ready):.3f} s into backward" if ready else "(not recorded)"))
-    if prof.reference is not None:
-        r = prof.reference
-        err_console.print(f"dostune's reference run ({describe_reference(r)}; {r.rounds} rounds of {r.iterations} "
-                          f"iterations): forward {r.fwd_s.median:.3f} s, backward {r.bwd_s.median:.3f} s, step "
-                          f"{r.step_s.median:.3f} s, iteration {r.iter_s.median:.3f} s (medians)")
     for note in prof.notes:
         err_console.print(f"[yellow]note:[/] {note}")
     if plot is not None:

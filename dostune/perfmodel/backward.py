@@ -67,9 +67,6 @@ class BackwardInputs:
     zo_bwd_s: float  # ZeRO-Offload's measured backward, in the form it was profiled
     zo_pinned: bool  # that form: page-locked host buffers (else pageable)
     zo_traffic: tuple[float, float]  # ZeRO-Offload's gradient bytes (device-to-host, host-to-device)
-    # dostune's backward compute over ``compute_s``: its own hooks' host work, which no probe runs (calibration.py;
-    # 1 without a reference run)
-    dostune_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,5 +95,4 @@ def dostune_backward(b: BackwardInputs, node: NodeInputs, sizes: Sequence[int], 
     times slower meanwhile, so the work done in that time is lane_busy_s / slowdown instead of lane_busy_s."""
     d2h = dostune_grad_traffic(sizes, plan, sched, b.grad_bytes, b.fp16)
     copies = b.visible * copy_seconds(node, d2h, 0, pinned=True)
-    return BackwardPrediction(b.compute_s * b.dostune_scale, copies, lane_busy_s * (1.0 - 1.0 / b.slowdown),
-                              lane_busy_s)
+    return BackwardPrediction(b.compute_s, copies, lane_busy_s * (1.0 - 1.0 / b.slowdown), lane_busy_s)

@@ -11,7 +11,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import ProfileError
-from ..profile.model_record import ModelProfile, ReferenceRun
+from ..profile.model_record import ModelProfile
 from ..profile.record import LinearCost, NodeProfile, Series
 from ..profile.step_parts import prologue_shares
 
@@ -155,7 +155,6 @@ class ModelInputs(BaseModel):
     step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
     ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
     ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
-    reference: Optional[ReferenceRun] = None  # dostune run on the model with one fixed schedule (calibration.py)
 
     @classmethod
     def from_profile(cls, m: ModelProfile) -> "ModelInputs":
@@ -179,7 +178,7 @@ class ModelInputs(BaseModel):
                    lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,
                    lane_alone_s_per_elem=lane.lane_alone_s.median / lane.elements if lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
-                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale, reference=m.reference)
+                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 
     @property
     def offload_peak_gib(self) -> Optional[float]:

@@ -29,10 +29,8 @@ from .record import Series
 # 8: probe_seconds, probe_forward_s, probe_rounds (the backward probes spread over a span of seconds, the forward
 # before each timed, and every round's readings). Older profiles load with none: the model takes forward from the
 # timed iterations then.
-# 9: reference (dostune itself run on the model with one fixed schedule, reference.py; the model is calibrated to it).
-# Older profiles load with none: the model is then not calibrated, and says so.
-MODEL_SCHEMA_VERSION = 9
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+MODEL_SCHEMA_VERSION = 8
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -105,20 +103,6 @@ class ProbeRound(Record):
     pinned_copy_s: Optional[float] = None  # ... with page-locked copies (a GPU)
     beside_lane_s: Optional[float] = None  # ... beside the CPU lane
     lane_update_s: Optional[float] = None  # the median lane update inside that backward
-
-
-class ReferenceRun(Record):
-    """dostune's own optimizer run on the model with one fixed schedule, as `dostune tune --validate` runs a schedule
-    (reference.py): what the performance model's prediction of that schedule is calibrated to."""
-
-    schedule: dict  # the dostune section it ran
-    sub_group_size: int = Field(gt=0)
-    rounds: int = Field(ge=1)  # each a fresh process
-    iterations: int = Field(ge=1)  # timed per round
-    fwd_s: Stat  # every round's timed iterations pooled
-    bwd_s: Stat
-    step_s: Stat
-    iter_s: Stat
 
 
 class WorldRecord(Record):
@@ -196,7 +180,6 @@ class ModelProfile(Record):
     probe_seconds: Optional[float] = None
     probe_forward_s: Optional[Stat] = None
     probe_rounds: list[ProbeRound] = Field(default_factory=list)
-    reference: Optional[ReferenceRun] = None  # v9, on a GPU in a world of one
     notes: list[str] = Field(default_factory=list)
 
     @property

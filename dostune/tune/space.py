@@ -2,7 +2,6 @@
 exhaustive reference."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -10,7 +9,6 @@ from typing import Iterator, Optional
 from ..errors import DostuneError
 from ..optim.footprint import STATE_BYTES
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for
-from ..perfmodel.calibration import calibrate, calibrated
 from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
 from ..perfmodel.memory import GiB, grad_alloc_fractions, grad_ready_fractions
@@ -18,8 +16,6 @@ from ..perfmodel.model import Prediction, best_gpu_fraction, gpu_count_for_share
 from ..perfmodel.subgroups import subgroup_sizes
 from ..perfmodel.world import World, node_pinned_gib
 from ..perfmodel.zero_offload import ZeroOffloadPrediction, predict_zero_offload
-from ..profile.model_record import ReferenceRun
-from ..profile.reference import describe_reference
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
@@ -64,22 +60,11 @@ class Space:
         self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
         self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
         self.ds_sub_group_size = model.ds_sub_group_size or 100_000_000
+        # every coefficient of the model, from the two profiles (perfmodel/coefficients.py)
+        self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
+        self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
         self._profile_subgroups = profile_subgroups
         self._fractions: dict[int, tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]] = {}
-        # every coefficient of the model, from the two profiles (perfmodel/coefficients.py), calibrated to the model
-        # profile's reference run of dostune where it has one (perfmodel/calibration.py)
-        self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
-        if model.reference is not None:
-            self.coeffs = self._calibrated(model.reference)
-        self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
-
-    def _calibrated(self, ref: ReferenceRun) -> Coefficients:
-        sched, sgs = ScheduleConfig.model_validate(ref.schedule), ref.sub_group_size
-        sizes, alloc, ready = self.sizes(sgs), self.grad_alloc(sgs), self.grad_ready(sgs)
-        cal = calibrate(self.coeffs, lambda c: predict(sizes, sgs, sched, c, self.model, alloc, ready),
-                        ref.bwd_s.median, ref.step_s.median, describe_reference(ref))
-        return dataclasses.replace(calibrated(self.coeffs, cal.backward, cal.lane),
-                                   notes=self.coeffs.notes + (cal.note,))
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
         if sub_group_size not in self._sizes:
