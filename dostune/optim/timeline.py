@@ -59,6 +59,9 @@ class StepClock:
             if isinstance(a, float):
                 spans.append(Span(lane=lane, subgroup=i, start=a - t_host0, end=b - t_host0))
             elif start_ev is not None:
+                # the host reaches here once the copies back are done, but the GPU lane's last kernels (a resident
+                # subgroup's update) may still run: elapsed_time needs both events complete
+                b.synchronize()
                 spans.append(Span(lane=lane, subgroup=i, start=start_ev.elapsed_time(a) / 1e3,
                                   end=start_ev.elapsed_time(b) / 1e3))
         self.last_trace = sorted(spans, key=lambda s: s.start)
