@@ -23,9 +23,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   probe that read from memory rather than the cache; that probe lost its A/B on them and was taken out, and their
   traces were looked at (docs/experiments.md, section 29), so they are seen now;
 * the tenth (llama_1_4b), added before any run of it;
-* the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them; gpt2_1_6b was profiled once (its validation was
-  cut short, nothing kept), llama_1_9b has not run;
-* the twelfth (gpt2_2_7b, llama_2_8b), added before any run of them.
+* the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them, validated with a calibration that lost its A/B
+  and was taken out; their traces were looked at (docs/experiments.md, section 31), so they are seen now;
+* the twelfth (gpt2_2_7b, llama_2_8b; results/h100/heldout-12/), added before any run of them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 

@@ -70,7 +70,7 @@ def held_out():
 
 
 def test_todays_model_on_every_held_out_validation(held_out):
-    assert len(held_out) >= 34
+    assert len(held_out) >= 36
     # ZeRO-Offload's prediction is its model profile's own measurement: no change of the model moves it
     for then, now in held_out:
         zo_then = [v for v in then.validation if v.method == "zero-offload"]
@@ -78,11 +78,11 @@ def test_todays_model_on_every_held_out_validation(held_out):
         assert [x for v in zo_now for x in (v.predicted_iter_s, v.predicted_step_s)] == pytest.approx(
             [x for v in zo_then for x in (v.predicted_iter_s, v.predicted_step_s)], rel=1e-6), then.model
     rows = [r for r in summarize([now for _, now in held_out]) if r["method"] == "dostune"]
-    # what today's model achieves on the 34 shapes of the held-out sets (seen now: docs/performance-model.md);
-    # a change of the model that does worse on them fails here
-    assert sum(r["ok"] for r in rows) >= 15
+    # what today's model achieves on the 36 shapes of the held-out sets (seen now: docs/performance-model.md): 17
+    # within both bounds, medians 8.1% and 17.1%; a change of the model that does worse on them fails here
+    assert sum(r["ok"] for r in rows) >= 16
     assert statistics.median(r["iter"] for r in rows) <= 0.09
-    assert statistics.median(r["step"] for r in rows) <= 0.17
+    assert statistics.median(r["step"] for r in rows) <= 0.18
 
 
 SPREAD = ROOT / "results" / "h100" / "profile-spread"
