@@ -20,10 +20,8 @@
 #                       first): ZeRO-Offload and the best schedules run beside their predictions, phase by phase
 #                       -> $OUT/validate-NAME/{model-profile.json,tune.json,validation.png,ds_config.json}. ARGS (+ for
 #                       spaces) go to both commands: flags they share, e.g. --micro-batch+16+--activation-checkpointing.
-#                       MODEL is a preset, hf=PATH (a Hugging Face config file; NAME is its file name) or
-#                       py=MODULE.FACTORY (your own factory, --model MODULE:FACTORY; NAME is FACTORY). VALIDATE_ARGS:
-#                       flags for tune alone, e.g. "--validate-iters 2" (each method runs --validate-rounds 2 rounds
-#                       in reversed order by default)
+#                       VALIDATE_ARGS: flags for tune alone, e.g. "--validate-iters 2" (each method runs
+#                       --validate-rounds 2 rounds in reversed order by default)
 #   report              every validated model against the bounds (median error of iteration <= 10%, of the step <= 20%,
 #                       for dostune and ZeRO-Offload) -> $OUT/validation-report.md; fails when one misses
 # Example, the whole flow for gpt2-1.3b, every method measured twice in reverse order (drift-cancelling):
@@ -36,6 +34,9 @@
 # (docs/performance-model.md, "Validating"):
 #   bash scripts/gpu-bench.sh env profile validate:gpt2-760m validate:llama-1.1b validate:gpt2-2.7b \
 #     validate:llama-7b:--micro-batch+16+--activation-checkpointing report
+# MODEL in model:, tune:, bench:, train: and validate: is a preset, hf=PATH (a Hugging Face config file) or
+# py=MODULE.FACTORY (your own factory: --model MODULE:FACTORY); the files are named by the preset, the config's file
+# name without .json, or FACTORY (the NAME above).
 # NODE (default: the short host name) names the node in the profiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,9 +62,14 @@ expect_refusal() {  # LABEL COMMAND...: must exit 2 with an "error:" line
   if [ $code -eq 2 ] && echo "$log" | grep -q "^error:"; then echo "refused as expected: $label"
   else echo "NOT refused as expected: $label (exit $code)"; rc=1; fi
 }
-split() {  # SPEC -> model, args (the part after the first ':', + for spaces)
+split() {  # SPEC -> model (for --model), name (for file names), args (after the first ":", + for spaces)
   model=${1%%:*}; args=""
   [ "$1" != "$model" ] && args=$(echo "${1#*:}" | tr '+' ' ')
+  name=$model
+  case "$model" in
+    hf=*) name=$(basename "${model#hf=}" .json); model="hf:${model#hf=}" ;;
+    py=*) model=${model#py=}; name=${model##*.}; model="${model%.*}:$name" ;;
+  esac
   return 0
 }
 for step in "$@"; do
@@ -81,20 +87,20 @@ for step in "$@"; do
     model:*)
       split "${step#model:}"
       launch profile --model "$model" --micro-batch 8 --seq 1024 --name "$NODE" \
-        --output "$OUT/model-$model.json" --plot "$OUT/model-$model.png" --force $args || rc=1 ;;
+        --output "$OUT/model-$name.json" --plot "$OUT/model-$name.png" --force $args || rc=1 ;;
     tune:*)
       split "${step#tune:}"
-      dostune tune --model "$model" --profile "$OUT/node.json" --model-profile "$OUT/model-$model.json" \
-        --num-gpus "$GPUS" --output-dir "$OUT/tune-$model" --storage "sqlite:///$OUT/study-$model.db" $args || rc=1 ;;
+      dostune tune --model "$model" --profile "$OUT/node.json" --model-profile "$OUT/model-$name.json" \
+        --num-gpus "$GPUS" --output-dir "$OUT/tune-$name" --storage "sqlite:///$OUT/study-$name.db" $args || rc=1 ;;
     bench:*)
       split "${step#bench:}"
       config=()
-      [ -f "$OUT/tune-$model/ds_config.json" ] && config=(--config "$OUT/tune-$model/ds_config.json")
-      launch bench --model "$model" "${config[@]}" --output "$OUT/bench-$model.json" $args || rc=1 ;;
+      [ -f "$OUT/tune-$name/ds_config.json" ] && config=(--config "$OUT/tune-$name/ds_config.json")
+      launch bench --model "$model" "${config[@]}" --output "$OUT/bench-$name.json" $args || rc=1 ;;
     train:*)
       split "${step#train:}"
-      launch train --config "$OUT/tune-$model/ds_config.json" --model "$model" --steps 20 \
-        --metrics "$OUT/train-$model.jsonl" $args 2>&1 | tee "$OUT/train-$model.log"
+      launch train --config "$OUT/tune-$name/ds_config.json" --model "$model" --steps 20 \
+        --metrics "$OUT/train-$name.jsonl" $args 2>&1 | tee "$OUT/train-$name.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     refusals:*)
       model=${step#refusals:}
@@ -117,11 +123,6 @@ for step in "$@"; do
       cat "$REFUSALS" ;;
     validate:*)
       split "${step#validate:}"
-      name=$model
-      case "$model" in
-        hf=*) name=$(basename "${model#hf=}" .json); model="hf:${model#hf=}" ;;
-        py=*) model=${model#py=}; name=${model##*.}; model="${model%.*}:$name" ;;
-      esac
       dir="$OUT/validate-$name"
       if [ ! -f "$OUT/node.json" ]; then echo "validate needs $OUT/node.json: run the profile step first" >&2; rc=1
       else

@@ -67,3 +67,31 @@ fi
                                f"--model-profile {h}/model-profile.json") and lines[3].endswith("--micro-batch 2")
     report = (out / "validation-report.md").read_text()
     assert report.count("| gpt2-1.3b |") == 4 and "| NO |" not in report  # two validations, two methods each
+
+
+def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
+    """model:, tune:, bench: and train: take hf=PATH and py=MODULE.FACTORY as validate: does, and name their files by
+    the config's or the factory's name."""
+    calls = tmp_path / "calls.txt"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "dostune"
+    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
+           "NODE": "n1", "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(sys.executable).parents[1]))}
+    shape = "py=examples.validation_shapes.gpt2_1_6b"
+    cmd = ["bash", "scripts/gpu-bench.sh", "model:hf=tests/data/tiny-llama.json", f"tune:{shape}",
+           f"bench:{shape}:--rounds+2", f"train:{shape}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0] == (f"profile --model hf:tests/data/tiny-llama.json --micro-batch 8 --seq 1024 --name n1 "
+                        f"--output {out}/model-tiny-llama.json --plot {out}/model-tiny-llama.png --force")
+    factory = "examples.validation_shapes:gpt2_1_6b"
+    assert lines[1] == (f"tune --model {factory} --profile {out}/node.json --model-profile {out}/model-gpt2_1_6b.json "
+                        f"--num-gpus 1 --output-dir {out}/tune-gpt2_1_6b --storage sqlite:///{out}/study-gpt2_1_6b.db")
+    assert lines[2] == f"bench --model {factory} --output {out}/bench-gpt2_1_6b.json --rounds 2"
+    assert lines[3] == (f"train --config {out}/tune-gpt2_1_6b/ds_config.json --model {factory} --steps 20 "
+                        f"--metrics {out}/train-gpt2_1_6b.jsonl")
