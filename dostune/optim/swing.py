@@ -56,8 +56,10 @@ class AdaptiveSplit:
         if self._origin is None:
             return None
         ev0, t0 = self._origin
+        # elapsed_time needs both events complete: join() waits for the copies back on the host, the compute lane (and
+        # the origin's stream) only on the GPU
         for e in [ev0] + self._gpu_ends:
-            e.synchronize()  # join() waits for the copies back on the host, the compute lane only on the GPU
+            e.synchronize()
         gpu_end = max(ev0.elapsed_time(e) for e in self._gpu_ends) / 1e3
         spans = [(a - t0, b - t0) for lane, _, a, b in trace if lane == "cpu"]
         return lane_times(spans, gpu_end, streamed, self._cost)
