@@ -29,23 +29,28 @@ def _validated(tmp_path) -> Path:
     return path
 
 
-def test_validate_steps_profile_tune_and_report(tmp_path):
-    fixture = _validated(tmp_path)
+def _stubbed(tmp_path, then: str = ""):
+    """A stand-in `dostune` that appends its arguments to calls.txt and then runs the shell lines ``then``, and the
+    script's environment with it first on PATH: (calls file, OUT, environment)."""
     calls = tmp_path / "calls.txt"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "dostune"
-    stub.write_text(f"""#!/usr/bin/env bash
-echo "$*" >> {calls}
-if [ "$1" = tune ]; then
-  while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && cp {fixture} "$2/tune.json"; shift; done
-fi
-""")
+    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n{then}')
     stub.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
            "NODE": "n1", "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(sys.executable).parents[1])),
            "PYTHONPATH": str(ROOT)}
+    return calls, out, env
+
+
+def test_validate_steps_profile_tune_and_report(tmp_path):
+    fixture = _validated(tmp_path)
+    calls, out, env = _stubbed(tmp_path, f"""if [ "$1" = tune ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && cp {fixture} "$2/tune.json"; shift; done
+fi
+""")
     cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "report"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "run the profile step first" in r.stderr  # no node profile yet: said, not run
@@ -72,15 +77,7 @@ fi
 def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
     """model:, tune:, bench: and train: take hf=PATH and py=MODULE.FACTORY as validate: does, and name their files by
     the config's or the factory's name."""
-    calls = tmp_path / "calls.txt"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stub = bin_dir / "dostune"
-    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
-    stub.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
-           "NODE": "n1", "VIRTUAL_ENV": os.environ.get("VIRTUAL_ENV", str(Path(sys.executable).parents[1]))}
+    calls, out, env = _stubbed(tmp_path)
     shape = "py=examples.validation_shapes.gpt2_1_6b"
     cmd = ["bash", "scripts/gpu-bench.sh", "model:hf=tests/data/tiny-llama.json", f"tune:{shape}",
            f"bench:{shape}:--rounds+2", f"train:{shape}"]

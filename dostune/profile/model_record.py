@@ -94,6 +94,11 @@ class PinnedCopyProfile(Record):
     backward_s: Stat
 
 
+# The passes a probe round times and ``ModelProfile.pass_spread`` reads, by ``ProbeRound`` field, as a note names them
+PROBE_PASSES = {"forward_s": "forward", "no_copy_s": "backward without copies",
+                "beside_lane_s": "backward beside the CPU lane"}
+
+
 class ProbeRound(Record):
     """One round of the backward probes (backward_probes.py): each pass's seconds, None where it did not run."""
 
@@ -195,7 +200,7 @@ class ModelProfile(Record):
         rounds (schema 8): the interquartile range over the median, by ``ProbeRound`` field. Empty where a pass has
         fewer than four rounds (older profiles have none)."""
         out = {}
-        for name in ("forward_s", "no_copy_s", "beside_lane_s"):
+        for name in PROBE_PASSES:
             xs = [x for r in self.probe_rounds if (x := getattr(r, name)) is not None]
             if len(xs) >= 4:
                 q1, _, q3 = statistics.quantiles(xs, n=4)

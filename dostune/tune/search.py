@@ -23,7 +23,7 @@ from ..perfmodel.zero_offload import ZeroOffloadPrediction
 from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import WORLD_KEY, World, rank_inputs
 from ..profile.identity import cuda_available
-from ..profile.model_record import ModelProfile, load_model_profile
+from ..profile.model_record import PROBE_PASSES, ModelProfile, load_model_profile
 from ..profile.paths import shipped_profile
 from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
@@ -108,8 +108,6 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
 # A pass whose probe rounds spread wider than this (interquartile range over the median) is named: the model predicts
 # it at the median, and the iteration's prediction is held to 10% (docs/performance-model.md, "Validating").
 WIDE_PASS_SPREAD = 0.10
-PASS_NAMES = {"forward_s": "forward", "no_copy_s": "backward without copies", "beside_lane_s": "backward beside the "
-              "CPU lane"}
 
 
 def wide_pass_note(model: ModelProfile) -> Optional[str]:
@@ -119,7 +117,7 @@ def wide_pass_note(model: ModelProfile) -> Optional[str]:
     wide = {name: x for name, x in model.pass_spread().items() if x > WIDE_PASS_SPREAD}
     if not wide:
         return None
-    passes = ", ".join(f"{PASS_NAMES[name]} {x:.0%}" for name, x in wide.items())
+    passes = ", ".join(f"{PROBE_PASSES[name]} {x:.0%}" for name, x in wide.items())
     return (f"the model profile's passes wandered over its {len(model.probe_rounds)} probe rounds (interquartile "
             f"range over the median): {passes}; the predictions take each pass's median, so a measured iteration "
             "may land anywhere in that spread (passes that wait on the host wander so: docs/experiments.md, "
