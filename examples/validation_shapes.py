@@ -25,7 +25,10 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the tenth (llama_1_4b), added before any run of it;
 * the eleventh (gpt2_1_6b, llama_1_9b), added before any run of them, validated with a calibration that lost its A/B
   and was taken out; their traces were looked at (docs/experiments.md, section 31), so they are seen now;
-* the twelfth (gpt2_2_7b, llama_2_8b; results/h100/heldout-12/), added before any run of them.
+* the twelfth (gpt2_2_7b, llama_2_8b; results/h100/heldout-12/), added before any run of them;
+* the thirteenth (gpt2_1_8b, llama_1_7b), added before any run of them, to be validated at micro-batch 16 with
+  activation checkpointing: small shapes where the GPU rather than the host sets the pace (docs/experiments.md,
+  section 30).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -111,6 +114,10 @@ SHAPES = {
     "gpt2_2_7b": DecoderConfig("gpt2", layers=34, hidden=2496, heads=24, vocab=50304, max_positions=1024),
     "llama_2_8b": DecoderConfig("llama", layers=26, hidden=3072, heads=24, vocab=32000, max_positions=2048, ffn=8192,
                                 kv_heads=6),
+    # the thirteenth set
+    "gpt2_1_8b": DecoderConfig("gpt2", layers=27, hidden=2304, heads=24, vocab=50304, max_positions=1024),
+    "llama_1_7b": DecoderConfig("llama", layers=21, hidden=2560, heads=20, vocab=32000, max_positions=2048, ffn=6912,
+                                kv_heads=10),
 }
 
 
