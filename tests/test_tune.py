@@ -1,3 +1,4 @@
+import copy
 import json
 import math
 
@@ -78,6 +79,28 @@ def test_the_space_is_declared_once(small, tmp_path):
     assert [small.candidate(t.params) for t in study.trials[:len(seeds)]] == seeds
     assert all(small.candidate(small.params(c)) == c for c in every[::97])
     assert len({t.params["gpu_placement"] for t in study.trials}) > 1  # searched, not fixed
+
+
+def test_overlap_schedules_run_at_the_thread_count_the_lane_probe_measured(small, tmp_path):
+    """The model knows overlap_backward's lane only at the threads its probe ran with (one fewer than the step's):
+    those schedules are searched at that count alone, the others at every count."""
+    assert small.lane_threads is None  # the shipped profile has no lane probe: every count for every schedule
+    lane = copy.copy(small)
+    lane.model = small.model.model_copy(update={"lane_threads": 7})
+    assert lane.lane_threads == 8 and lane.threads == [8, 12, 16]
+    every = list(lane.all_candidates())
+    assert {c.cpu_threads for c in every if c.overlap_backward} == {8}
+    assert {c.cpu_threads for c in every if not c.overlap_backward} == {8, 12, 16}
+    assert all(lane.candidate(lane.params(c)) == c for c in every[::97])
+    seeds = list(lane.closed_form_candidates())
+    assert {c.cpu_threads for c in seeds if c.overlap_backward} == {8}
+    opts = TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=24, output_dir=tmp_path)
+    study = run_study(lane, opts, f"sqlite:///{(tmp_path / 'study.db').as_posix()}", "lane", "key", NullProgress())
+    assert [lane.candidate(t.params) for t in study.trials[:len(seeds)]] == seeds
+    overlapped = [t for t in study.trials if t.params["overlap_backward"]]
+    assert overlapped and all("cpu_threads" not in t.params for t in overlapped)
+    assert {lane.candidate(t.params).cpu_threads for t in overlapped} == {8}
+    assert all("cpu_threads" in t.params for t in study.trials if not t.params["overlap_backward"])
 
 
 def test_gpu_placement_changes_the_prediction_and_the_config(space):

@@ -267,8 +267,12 @@ def run_study(space: Space, opts: TuneOptions, storage: str, study_name: str, pr
             study.enqueue_trial(space.params(c))
 
     def objective(trial):
-        # the parameters as Space.choices declares them, and the GPU lane's share as a float
-        params = {name: trial.suggest_categorical(name, values) for name, values in space.choices().items()}
+        # the parameters as Space.choices declares them, each unless those before it settle it, and the GPU lane's
+        # share as a float
+        params = {}
+        for name, values in space.choices().items():
+            if name not in space.settled(params):
+                params[name] = trial.suggest_categorical(name, values)
         c = space.candidate({**params, GPU_SHARE: trial.suggest_float(GPU_SHARE, 0.0, 1.0)})
         p = space.evaluate(c)
         budget_over, peak_over, host_over = space.violations(p)

@@ -173,34 +173,54 @@ class Space:
                 yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f), buffers, t, "gpu_convert", True)
             if self.overlap_possible:  # the CPU lane hides under backward: give it the larger share
                 for buffers in (2, 4):
-                    yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), buffers, t, "gpu_convert", True,
-                                    True)
+                    yield Candidate(sgs, gpu_count_for_share(self.sizes(sgs), f / 2), buffers, self.lane_threads or t,
+                                    "gpu_convert", True, True)
 
     @property
     def overlap_possible(self) -> bool:
         """overlap_backward is only searched when the model profile says when gradients become final."""
         return self.model.bwd_s is not None and self.grad_ready(self.sub_group_sizes[0]) is not None
 
+    @property
+    def lane_threads(self) -> Optional[int]:
+        """The CPU threads of every overlap_backward schedule: the step's count whose backward count (one fewer,
+        ScheduleConfig.backward_cpu_threads) the model profile's lane probe ran with. The model knows the lane's rate
+        at that count only; at another it could read it only through CPU Adam's rates, and on an H200 host the lane
+        at 7 threads ran 1.9x slower than its 15-thread probe where CPU Adam's rates said 1.2x (docs/experiments.md,
+        section 32). None where the model profile has no lane probe: every count is searched."""
+        t = self.model.lane_threads
+        return self.node.threads_near(t + 1) if t is not None else None
+
+    def settled(self, params: dict) -> dict:
+        """The parameters that those in ``params`` fix: an overlap_backward schedule's threads (``lane_threads``)."""
+        if params.get("overlap_backward") and self.lane_threads is not None:
+            return {"cpu_threads": self.lane_threads}
+        return {}
+
     def choices(self) -> dict[str, list]:
         """Every searched parameter but the GPU lane's share, with its values: the one declaration Optuna's trials,
-        the exhaustive reference and the enqueued seeds all read."""
+        the exhaustive reference and the enqueued seeds all read. A parameter that those before it fix
+        (``settled``) is not searched in that trial."""
         out = {"sub_group_size": list(self.sub_group_sizes), "gpu_placement": list(PLACEMENTS),
-               "staging_buffers": list(BUFFERS), "cpu_threads": list(self.threads), "upload": list(UPLOADS),
-               "grads_on_gpu": [True, False]}
+               "staging_buffers": list(BUFFERS), "upload": list(UPLOADS), "grads_on_gpu": [True, False]}
         if self.overlap_possible:
             out["overlap_backward"] = [False, True]
+        out["cpu_threads"] = list(self.threads)
         return out
 
     def candidate(self, params: dict) -> Candidate:
-        """The candidate of a trial's parameters (``GPU_SHARE`` a float in [0, 1], the others ``choices``')."""
+        """The candidate of a trial's parameters (``GPU_SHARE`` a float in [0, 1], the others ``choices``' less those
+        ``settled``)."""
         n = len(self.sizes(params["sub_group_size"]))
         return Candidate(gpu_count=round(params[GPU_SHARE] * n),
-                         **{k: v for k, v in params.items() if k != GPU_SHARE})
+                         **{k: v for k, v in {**params, **self.settled(params)}.items() if k != GPU_SHARE})
 
     def params(self, c: Candidate) -> dict:
         """A candidate as a trial's parameters (``candidate``'s inverse)."""
         n = len(self.sizes(c.sub_group_size))
-        return {GPU_SHARE: c.gpu_count / n, **{k: getattr(c, k) for k in self.choices()}}
+        given = {k: getattr(c, k) for k in self.choices()}
+        settled = self.settled(given)
+        return {GPU_SHARE: c.gpu_count / n, **{k: v for k, v in given.items() if k not in settled}}
 
     def all_candidates(self) -> Iterator[Candidate]:
         choices = self.choices()
@@ -208,7 +228,9 @@ class Space:
         for sgs in choices["sub_group_size"]:
             for k in range(len(self.sizes(sgs)) + 1):
                 for values in itertools.product(*(choices[name] for name in names)):
-                    yield Candidate(sub_group_size=sgs, gpu_count=k, **dict(zip(names, values)))
+                    params = dict(zip(names, values))
+                    if all(params[name] == v for name, v in self.settled(params).items()):
+                        yield Candidate(sub_group_size=sgs, gpu_count=k, **params)
 
 
 def brute_force(space: Space) -> tuple[Candidate, Prediction]:
