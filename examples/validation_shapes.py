@@ -27,8 +27,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   and was taken out; their traces were looked at (docs/experiments.md, section 31), so they are seen now;
 * the twelfth (gpt2_2_7b, llama_2_8b; results/h100/heldout-12/), added before any run of them;
 * the thirteenth (gpt2_1_8b, llama_1_7b), added before any run of them, to be validated at micro-batch 16 with
-  activation checkpointing: small shapes where the GPU rather than the host sets the pace (docs/experiments.md,
-  section 30).
+  activation checkpointing, where section 30 saw the GPU rather than the host set the pace; llama_1_7b ran one row on
+  an H200 (results/h200/mb16-llama_1_7b/), whose trace was looked at (docs/experiments.md, section 32), so it is seen
+  now; gpt2_1_8b has not run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
