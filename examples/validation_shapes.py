@@ -29,7 +29,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the thirteenth (gpt2_1_8b, llama_1_7b), added before any run of them, to be validated at micro-batch 16 with
   activation checkpointing, where section 30 saw the GPU rather than the host set the pace; llama_1_7b ran one row on
   an H200 (results/h200/mb16-llama_1_7b/), whose trace was looked at (docs/experiments.md, section 32), so it is seen
-  now; gpt2_1_8b has not run.
+  now; gpt2_1_8b has not run;
+* the fourteenth (gpt2_2_2b, llama_2_4b), added before any run of them, the first profiled with the step-lane probe
+  (model profile schema 10).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -119,6 +121,10 @@ SHAPES = {
     "gpt2_1_8b": DecoderConfig("gpt2", layers=27, hidden=2304, heads=24, vocab=50304, max_positions=1024),
     "llama_1_7b": DecoderConfig("llama", layers=21, hidden=2560, heads=20, vocab=32000, max_positions=2048, ffn=6912,
                                 kv_heads=10),
+    # the fourteenth set
+    "gpt2_2_2b": DecoderConfig("gpt2", layers=29, hidden=2432, heads=19, vocab=50304, max_positions=1024),
+    "llama_2_4b": DecoderConfig("llama", layers=22, hidden=3072, heads=24, vocab=32000, max_positions=2048, ffn=8064,
+                                kv_heads=8),
 }
 
 

@@ -125,6 +125,26 @@ def test_the_lane_beside_backward_is_never_faster_than_alone():
     assert s.lane_backward_slowdown == pytest.approx(0.8) and s.lane_step_slowdown == pytest.approx(0.8)
 
 
+def test_the_steps_lane_from_the_step_lane_probe():
+    # schema 10: the step's lane from memory at the step's threads (8 here: the node's CPU Adam at 8 threads is half as
+    # fast), and slowed beside copies by its own measure; backward keeps the backward probes' readings
+    n = node()
+    composed_8 = 1 / 20e9 + 1 / 2e9 + 1 / 10e9
+    m = model(lane_threads=16, lane_beside_s_per_elem=1.2 * (1 / 20e9 + 1 / 4e9 + 1 / 10e9),
+              lane_alone_s_per_elem=0.8 * (1 / 20e9 + 1 / 4e9 + 1 / 10e9), lane_step_threads=8,
+              lane_step_s_per_elem=0.9 * composed_8, lane_step_copies_slowdown=1.3, lane_step_copies_gbps=50.0)
+    s = Coefficients.of(n, m, SIZES).shape
+    assert s.lane_step_slowdown == pytest.approx(0.9) and s.lane_step_contention == (1.3, 50.0)
+    assert s.lane_backward_slowdown == pytest.approx(1.2)
+    # a lane that read faster beside copies than alone is taken as not slowed by them
+    m = m.model_copy(update={"lane_step_copies_slowdown": 0.95})
+    assert Coefficients.of(n, m, SIZES).shape.lane_step_contention == (1.0, 50.0)
+    # older profiles: the step's lane at the backward probes' alone reading, the node's contention
+    s = Coefficients.of(n, model(lane_threads=16, lane_beside_s_per_elem=1e-9, lane_alone_s_per_elem=1e-9),
+                        SIZES).shape
+    assert s.lane_step_contention is None
+
+
 def test_cpu_adam_and_unscale_at_the_rates_the_engine_ran_them():
     n = node()
     adam = series([(10**8, 10**8 / 4e9 * 1.25), (2 * 10**8, 2 * 10**8 / 4e9 * 1.25)])

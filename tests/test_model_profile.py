@@ -1,4 +1,7 @@
+import json
+
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from dostune.cli.app import app
@@ -71,7 +74,8 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 8 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 10 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.step_lane is None  # v10: measured beside copies, so only on a GPU (tests/test_profile_gpu.py)
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set
@@ -135,3 +139,34 @@ def test_pass_spread_is_each_passs_interquartile_range_over_its_median():
     assert spread(rounds) == {"forward_s": pytest.approx(1.0), "no_copy_s": 0.0}
     assert spread(rounds[:3]) == {}  # too few rounds for quartiles
     assert spread([]) == {}  # profiles before schema 8
+
+
+def test_the_step_lane_probe_keeps_the_updates_that_ran_beside_both_copy_directions():
+    from dostune.profile.step_lane import beside_copies, scratch_subgroups
+
+    # 64 MB chunks every 10 ms one way (6.4 GB/s), every 5 ms the other, from the moment they were queued; the down
+    # direction ends first, at 40 ms: the update that ended after it is not beside both
+    up = [0.01 * k for k in range(1, 7)]
+    down = [0.005 * k for k in range(1, 9)]
+    kept, h2d, d2h = beside_copies([(0.002, 0.012), (0.012, 0.022), (0.022, 0.038), (0.038, 0.045)], up, down,
+                                   64 * 10**6)
+    assert kept == pytest.approx([0.010, 0.010, 0.016])
+    assert h2d == pytest.approx(6.4) and d2h == pytest.approx(12.8)
+    assert beside_copies([(0.05, 0.06)], up, down, 64 * 10**6) == ([], 0.0, 0.0)
+    # inputs of 14 bytes per element (bf16 gradients) at least twice the cache, and never one subgroup over and over
+    assert scratch_subgroups(10_000_000, torch.bfloat16, 300 << 20) == 5
+    assert scratch_subgroups(10**9, torch.bfloat16, 300 << 20) == 2
+
+
+def test_a_schema_9_profile_is_refused_and_older_ones_load_without_the_step_lane(tmp_path, prof):
+    from dostune.errors import DostuneError
+
+    data = json.loads(prof.model_dump_json())
+    data.pop("step_lane")
+    data["schema_version"] = 8
+    (tmp_path / "v8.json").write_text(json.dumps(data))
+    assert load_model_profile(tmp_path / "v8.json").step_lane is None
+    data["schema_version"] = 9  # the schema of a probe that was taken out (docs/experiments.md, section 29)
+    (tmp_path / "v9.json").write_text(json.dumps(data))
+    with pytest.raises(DostuneError, match="9"):
+        load_model_profile(tmp_path / "v9.json")

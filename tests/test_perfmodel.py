@@ -100,6 +100,29 @@ def test_staging_slot_reuse_serialises_with_one_buffer():
     assert one == pytest.approx(2 * 12e9 / 50e9 + 4 * 12e9 / 40e9 + 3 * 1e9 / 100e9)
 
 
+def test_the_steps_lane_slows_beside_copies_by_its_own_measure():
+    # overlap_backward, one CPU-lane subgroup final at the end of backward (its update is the step's) beside a GPU-lane
+    # subgroup streaming: in the step the lane takes the model profile's step-lane contention, not the node's
+    from dostune.perfmodel.coefficients import StepShape
+
+    sizes = [1_000_000_000] * 2
+    sched = ScheduleConfig(gpu_fraction=0.5, overlap_backward=True, cpu_threads=16)
+
+    def step(contention, shape):
+        p = simulate_step(sizes, sched, node(contention=contention), backward_s=2.0, ready_fraction=[0.5, 1.0],
+                          shape=shape)
+        return {x.subgroup: x for x in p.spans if x.lane == "cpu"}[1]
+
+    plain = 1e9 / 20e9 + 1e9 / 4e9 + 1e9 / 10e9
+    node_only = step(1.0, StepShape())  # neither slows it: the step's lane at its full rate
+    assert node_only.start == 0.0 and node_only.end == pytest.approx(plain)
+    assert step(2.0, StepShape()).end > 1.3 * plain  # older profiles: the node's contention
+    # the GPU lane's copies (0.24 s in, 0.3 s out) run under most of it: any traffic doubles the lane's time
+    assert step(1.0, StepShape(lane_step_contention=(2.0, 1.0))).end > 1.3 * plain
+    # with the lane's own measure the node's contention does not count
+    assert step(2.0, StepShape(lane_step_contention=(1.0, 1.0))).end == pytest.approx(plain)
+
+
 def test_contention_slows_the_cpu_lane():
     sizes = [500_000_000] * 4
     sched = ScheduleConfig(gpu_fraction=0.5, cpu_threads=16)

@@ -38,6 +38,11 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     rounds = prof.probe_rounds
     assert len(rounds) > 2 and copied.backward_s.n == len(rounds) and copied.backward_s.median > 0
     assert all(r.pinned_copy_s > 0 and r.beside_lane_s > 0 for r in rounds)
+    # schema 10: the step's lane from memory, alone and beside copies both ways that really streamed
+    step = prof.step_lane
+    assert step is not None and step.subgroups >= 2 and step.elements == 1_000_000
+    assert step.alone_s.n == step.subgroups * 20 and step.beside_copies_s.n >= 20
+    assert step.h2d_gbps > 1 and step.d2h_gbps > 1 and step.copies_slowdown > 0.5
     assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
     assert prof.step_parts_s["_partition_all_parameters"] > 0
     m = ModelInputs.from_profile(prof)
@@ -45,3 +50,4 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
                         [s.numel for s in prof.subgroups])
     assert not [n for n in c.notes if "re-profile the model" in n]
     assert c.backward.slowdown >= 1.0 and 0 < c.shape.release_share <= c.shape.prologue_share <= 1
+    assert c.shape.lane_step_contention is not None

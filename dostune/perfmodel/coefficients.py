@@ -41,12 +41,16 @@ class StepShape:
     prologue_share: float = FALLBACK_PROLOGUE_SHARE  # of the overhead, before the lanes' time 0
     release_share: float = FALLBACK_RELEASE_SHARE  # of the overhead, the parameter release the lanes may run under
     # overlap_backward's CPU lane (dostune's out-of-place kernel) against unscale + CPU Adam + CPU conversion at the
-    # node's rates and the same threads: during backward, and alone (its subgroups left to the step)
+    # node's rates and the same threads: during backward, and alone (its subgroups left to the step; the step-lane
+    # probe's reading where the model profile has it, else the backward probes')
     lane_backward_slowdown: float = FALLBACK_LANE_BACKWARD_SLOWDOWN
     lane_step_slowdown: float = 1.0
     # whether lane_backward_slowdown already holds backward's gradient copies to the host: the fallback does (timed in
     # training), the model profile's probe does not (it drops the copies), and the model then adds them as traffic
     lane_backward_with_copies: bool = True
+    # (slowdown, combined GB/s): how much slower the lane ran in the step beside copies both ways at that traffic, from
+    # the model profile's step-lane probe; None: the step's lane takes the node's contention (DeepSpeed's CPU Adam)
+    lane_step_contention: Optional[tuple[float, float]] = None
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,17 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
     elif m.profile_schema is not None:
         missing.append(("the CPU lane beside backward", f"the CPU lane at {FALLBACK_LANE_BACKWARD_SLOWDOWN:g}x the "
                         "node profile's CPU-lane time"))
+    contention = None
+    if m.lane_step_s_per_elem is not None and m.lane_step_threads is not None:
+        # The step's lane as the step-lane probe read it: from memory, at the step's threads, and slowed beside copies
+        # by its own measure instead of DeepSpeed's CPU Adam's (docs/experiments.md, section 33). Backward keeps the
+        # backward probes' readings above.
+        size = 10**8
+        alone = m.lane_step_s_per_elem / (node.cpu_lane_seconds(size, m.lane_step_threads, "cpu_convert") / size)
+        contention = (max(1.0, m.lane_step_copies_slowdown), m.lane_step_copies_gbps)
     return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane,
-                     lane_step_slowdown=alone, lane_backward_with_copies=m.lane_beside_s_per_elem is None)
+                     lane_step_slowdown=alone, lane_backward_with_copies=m.lane_beside_s_per_elem is None,
+                     lane_step_contention=contention)
 
 
 def backward_inputs(node: NodeInputs, m: ModelInputs, elements: int,

@@ -152,6 +152,12 @@ class ModelInputs(BaseModel):
     lane_threads: Optional[int] = None  # that kernel's threads
     lane_beside_s_per_elem: Optional[float] = None  # its update during that backward, seconds per element
     lane_alone_s_per_elem: Optional[float] = None  # ... and with nothing else running
+    # the lane as the step runs it (schema 10): its threads, seconds per element alone, how many times slower beside
+    # copies both ways, and those copies' combined rate in GB/s
+    lane_step_threads: Optional[int] = None
+    lane_step_s_per_elem: Optional[float] = None
+    lane_step_copies_slowdown: Optional[float] = None
+    lane_step_copies_gbps: Optional[float] = None
     step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
     ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
     ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
@@ -161,7 +167,7 @@ class ModelInputs(BaseModel):
         ph = m.phases
         bwd = timed_backward(m)
         traffic = m.pcie.get("bwd") if m.pcie else None
-        lane = m.backward_lane
+        lane, step_lane = m.backward_lane, m.step_lane
         return cls(model=m.model, params=m.params, profile_schema=m.schema_version, precision=m.precision,
                    fwd_s=(m.probe_forward_s or ph["fwd"].time_s).median, bwd_s=bwd,
                    ds_step_s=ph["step"].time_s.median, ds_sub_group_size=m.sub_group_size,
@@ -177,6 +183,10 @@ class ModelInputs(BaseModel):
                    lane_threads=lane.threads if lane is not None else None,
                    lane_beside_s_per_elem=lane.lane_beside_s.median / lane.elements if lane is not None else None,
                    lane_alone_s_per_elem=lane.lane_alone_s.median / lane.elements if lane is not None else None,
+                   lane_step_threads=step_lane.threads if step_lane is not None else None,
+                   lane_step_s_per_elem=step_lane.alone_s.median / step_lane.elements if step_lane is not None else None,
+                   lane_step_copies_slowdown=step_lane.copies_slowdown if step_lane is not None else None,
+                   lane_step_copies_gbps=step_lane.h2d_gbps + step_lane.d2h_gbps if step_lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
                    ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 

@@ -76,10 +76,12 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[float, float, float]]:
-    """Piecewise-constant CPU slowdown from the DMA traffic of ``spans``: the profile measured CPU Adam
-    ``contention`` times slower under ``contention_gbps`` of combined H2D+D2H traffic; the slowdown is
-    taken to scale linearly with the traffic actually running."""
+def _dma_segments(spans: Sequence["SimSpan"], contention: float, contention_gbps: float,
+                  ) -> list[tuple[float, float, float]]:
+    """Piecewise-constant CPU slowdown from the DMA traffic of ``spans``: a profile measured the CPU work
+    ``contention`` times slower under ``contention_gbps`` of combined H2D+D2H traffic (the node profile DeepSpeed's
+    CPU Adam, the model profile the step's CPU lane); the slowdown is taken to scale linearly with the traffic actually
+    running."""
     edges = []
     for x in spans:
         if x.lane in ("h2d", "d2h", "up", "grad") and x.end > x.start:
@@ -88,11 +90,15 @@ def _dma_segments(spans: Sequence["SimSpan"], inp: "NodeInputs") -> list[tuple[f
     out, level, prev = [], 0.0, None
     for t, d in edges:
         if prev is not None and t > prev and level > 1e-9:
-            slow = 1.0 + (inp.contention - 1.0) * min(1.0, level / inp.contention_gbps)
+            slow = 1.0 + (contention - 1.0) * min(1.0, level / contention_gbps)
             out.append((prev, t, slow))
         level += d
         prev = t
     return out
+
+
+def _clip(segments: Sequence[tuple[float, float, float]], lo: float, hi: float) -> list[tuple[float, float, float]]:
+    return [(max(a, lo), min(b, hi), k) for a, b, k in segments if min(b, hi) > max(a, lo)]
 
 
 def _compose(*segment_lists: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
@@ -187,8 +193,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
         up_bytes = 2
     # overlap_backward's lane (dostune's own kernel) works lane_step_slowdown times the node's CPU-lane seconds at the
-    # step's thread count; during backward it runs with one thread fewer (ScheduleConfig.backward_cpu_threads) and
-    # lane_backward_slowdown times the node's seconds at that count
+    # step's thread count, slowed beside DMA by lane_step_contention where measured; during backward it runs with one
+    # thread fewer (ScheduleConfig.backward_cpu_threads) and lane_backward_slowdown times the node's seconds at that
+    # count
     step_factor = shape.lane_step_slowdown if overlap else 1.0
     # The CPU lane's results go up from a ring of pinned buffers; a buffer is written again only once its last upload
     # has left, so the lane's n-th subgroup waits for upload n - ring, and those uploads queue behind the GPU lane's
@@ -200,7 +207,17 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         / inp.cpu_lane_seconds(per, threads, "cpu_convert")
     bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
     grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if overlap and grad_bytes else []
-    slowdowns = _compose(bwd_segment, _dma_segments(spans + grad_spans, inp))
+    step_contention = shape.lane_step_contention if overlap else None
+
+    def slowdowns_of(traffic: list[SimSpan]) -> list[tuple[float, float, float]]:
+        """The lane's slowdowns: beside backward, and beside DMA by the node's contention (DeepSpeed's CPU Adam), in
+        the step by the lane's own where the model profile measured it."""
+        dma = _dma_segments(traffic, inp.contention, inp.contention_gbps)
+        if step_contention is not None:
+            dma = _clip(dma, -float("inf"), 0.0) + _clip(_dma_segments(traffic, *step_contention), 0.0, float("inf"))
+        return _compose(bwd_segment, dma)
+
+    slowdowns = slowdowns_of(spans + grad_spans)
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
     for _ in range(max(1, iterations)):
@@ -229,7 +246,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
             up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
             free = u1
-        slowdowns = _compose(bwd_segment, _dma_segments(spans + grad_spans + up_spans, inp))
+        slowdowns = slowdowns_of(spans + grad_spans + up_spans)
     spans = spans + cpu_spans + up_spans
     lanes_s = max(0.0, max((x.end for x in spans), default=0.0))
 

@@ -71,20 +71,26 @@ LANE_THREAD_UPDATES = 50
 
 class LaneLoad:
     """dostune's CPU-lane kernel (out-of-place CPU Adam: half-precision gradients in, fp32 states and half-precision
-    parameters out, streaming stores) on a scratch subgroup of ``elements``, round after round in a worker thread while
-    the context is open, with Python's GIL switch interval the CPU lane sets while it works."""
+    parameters out, streaming stores) on ``subgroups`` scratch subgroups of ``elements`` in turn, round after round in a
+    worker thread while the context is open, with Python's GIL switch interval the CPU lane sets while it works."""
 
-    def __init__(self, elements: int, threads: int, half: torch.dtype = torch.bfloat16):
+    def __init__(self, elements: int, threads: int, half: torch.dtype = torch.bfloat16, subgroups: int = 1):
         from ..optim import cpu_kernel
         from ..optim.kernels import AdamScalarShadow
 
         cpu_kernel.load()  # build (or find) the kernel before any buffer: a missing compiler is said first
         self._kernel = cpu_kernel
         gen = torch.Generator().manual_seed(0)
-        self.elements, self.threads = elements, threads
-        self.p = torch.randn(elements, generator=gen)
-        self.g = (torch.randn(elements, generator=gen) * 1e-3).to(half)
-        self.m, self.v = torch.zeros(elements), torch.zeros(elements)
+        self.elements, self.threads, self.subgroups = elements, threads, subgroups
+        # Updates take the scratch subgroups' inputs in turn. One subgroup over and over stays in the last-level cache
+        # where it fits (the backward probes' reading); several whose inputs outgrow it are read from memory, as
+        # training reads each subgroup once per step (step_lane.py). Outputs go out with streaming stores, past the
+        # cache, so one set of them serves all.
+        shape = (subgroups, elements)
+        self.p = torch.randn(shape, generator=gen)
+        self.g = (torch.randn(shape, generator=gen) * 1e-3).to(half)
+        self.m, self.v = torch.zeros(shape), torch.zeros(shape)
+        self._next = 0
         self.out = [torch.empty(elements) for _ in range(3)]
         self.half = torch.empty(elements, dtype=half)
         shadow = AdamScalarShadow(0.9, 0.999)
@@ -97,8 +103,9 @@ class LaneLoad:
         self._switch: Optional[float] = None
 
     def update(self) -> None:
-        self._kernel.adam_out_of_place(self.p, self.g, self.m, self.v, *self.out, self.scalars, inv_scale=1.0,
-                                       half_out=self.half, threads=self.threads, nontemporal=True)
+        i, self._next = self._next, (self._next + 1) % self.subgroups
+        self._kernel.adam_out_of_place(self.p[i], self.g[i], self.m[i], self.v[i], *self.out, self.scalars,
+                                       inv_scale=1.0, half_out=self.half, threads=self.threads, nontemporal=True)
 
     def alone(self, repeats: int) -> Stat:
         return time_cpu(self.update, repeats)

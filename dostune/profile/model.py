@@ -30,6 +30,7 @@ from ..records import save_figure
 from ..stats import Stat
 from . import identity
 from .backward_probes import measure_backward_probes
+from .step_lane import measure_step_lane
 from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
                            SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
@@ -39,6 +40,10 @@ GiB = 2**30
 # On the H100 hosts backward's speed moved in stretches of seconds, one 15 s window of ten slow (docs/experiments.md,
 # section 25): rounds over a minute read the usual speed
 DEFAULT_PROBE_SECONDS = 60.0
+# the step-lane probe (step_lane.py): rounds of one pass alone and one beside copies, about 0.1 s each on the H100 hosts;
+# and its subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth modelling)
+STEP_LANE_ROUNDS = 20
+STEP_LANE_MIN_ELEMENTS = 1_000_000
 
 
 @dataclass
@@ -332,6 +337,14 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         del engine
         free_engine_memory()
 
+    step_lane = None
+    if cuda and probes.lane is not None:  # the lane's kernel built: measure it as the step runs it (step_lane.py)
+        try:
+            step_lane = measure_step_lane(max(lane_elements, STEP_LANE_MIN_ELEMENTS), torch.get_num_threads(), half,
+                                          STEP_LANE_ROUNDS, torch.cuda.current_device(), progress)
+        except (DostuneError, OSError, RuntimeError) as e:
+            notes.append(f"the CPU lane beside the step's copies not measured ({str(e).splitlines()[0]}): the performance "
+                         "model takes the step's lane from the backward probes' reading")
     gpu_total = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
     phases = {}
     for ph in times:
@@ -372,7 +385,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         backward_no_copy_s=probes.no_copy, backward_lane=probes.lane, backward_pinned_copy=probes.pinned_copy,
         step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, steal=timed_runs.share,
         set_aside=timed_runs.set_aside(), probes_set_aside=probes.set_aside, probe_seconds=probe_seconds,
-        probe_forward_s=probes.forward, probe_rounds=probes.rounds, notes=notes)
+        probe_forward_s=probes.forward, probe_rounds=probes.rounds, step_lane=step_lane, notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

@@ -29,8 +29,12 @@ from .record import Series
 # 8: probe_seconds, probe_forward_s, probe_rounds (the backward probes spread over a span of seconds, the forward
 # before each timed, and every round's readings). Older profiles load with none: the model takes forward from the
 # timed iterations then.
-MODEL_SCHEMA_VERSION = 8
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+# 9: taken by a lane probe that read its scratch from memory beside backward, removed (docs/experiments.md, section
+# 29); such profiles are not read.
+# 10: step_lane (the CPU lane as the step runs it: from memory, alone and beside page-locked copies both ways; on a
+# GPU). Older profiles load with none: the model takes the step's lane from the backward probes' reading then.
+MODEL_SCHEMA_VERSION = 10
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -82,6 +86,25 @@ class BackwardLaneProfile(Record):
     lane_alone_thread_s: Optional[Stat] = None
     lane_beside_s: Stat  # one update that started and ended while backward ran
     backward_s: Stat  # backward while the lane worked throughout
+
+
+class StepLaneProfile(Record):
+    """dostune's CPU-lane kernel as ``overlap_backward``'s step runs it (step_lane.py): the step's threads, scratch
+    subgroups whose inputs together outgrow the last-level cache taken in turn (each read from memory, as the step reads
+    each subgroup once), alone and while page-locked copies stream both ways between host memory and the GPU, as the
+    GPU lane's states do. The rounds take the two in turn."""
+
+    threads: int = Field(ge=1)
+    elements: int = Field(gt=0)  # one update
+    subgroups: int = Field(ge=1)  # the scratch subgroups taken in turn
+    alone_s: Stat  # one update, nothing else running
+    beside_copies_s: Stat  # one update that started and ended while both copy directions streamed
+    h2d_gbps: float  # the copies' rate in each direction while those updates ran
+    d2h_gbps: float
+
+    @property
+    def copies_slowdown(self) -> float:
+        return self.beside_copies_s.median / self.alone_s.median
 
 
 class PinnedCopyProfile(Record):
@@ -185,6 +208,7 @@ class ModelProfile(Record):
     probe_seconds: Optional[float] = None
     probe_forward_s: Optional[Stat] = None
     probe_rounds: list[ProbeRound] = Field(default_factory=list)
+    step_lane: Optional[StepLaneProfile] = None  # v10, on a GPU (step_lane.py)
     notes: list[str] = Field(default_factory=list)
 
     @property
