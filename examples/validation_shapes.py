@@ -30,7 +30,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing, where section 30 saw the GPU rather than the host set the pace; llama_1_7b ran one row on
   an H200 (results/h200/mb16-llama_1_7b/), whose trace was looked at (docs/experiments.md, section 32), so it is seen
   now; gpt2_1_8b has not run;
-* the fourteenth (gpt2_2_2b, llama_2_4b), added before any run of them, the first profiled with the step-lane probe
+* the fourteenth (gpt2_2_2b, llama_2_4b, llama_2_2b, gpt2_1_9b), added before any run of them, the first profiled with the step-lane probe
   (model profile schema 10).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
@@ -125,6 +125,9 @@ SHAPES = {
     "gpt2_2_2b": DecoderConfig("gpt2", layers=29, hidden=2432, heads=19, vocab=50304, max_positions=1024),
     "llama_2_4b": DecoderConfig("llama", layers=22, hidden=3072, heads=24, vocab=32000, max_positions=2048, ffn=8064,
                                 kv_heads=8),
+    "llama_2_2b": DecoderConfig("llama", layers=19, hidden=2944, heads=23, vocab=32000, max_positions=2048, ffn=7936,
+                                kv_heads=23),
+    "gpt2_1_9b": DecoderConfig("gpt2", layers=25, hidden=2432, heads=38, vocab=50304, max_positions=1024),
 }
 
 
