@@ -29,7 +29,7 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the thirteenth (gpt2_1_8b, llama_1_7b), added before any run of them, to be validated at micro-batch 16 with
   activation checkpointing, where section 30 saw the GPU rather than the host set the pace; llama_1_7b ran one row on
   an H200 (results/h200/mb16-llama_1_7b/), whose trace was looked at (docs/experiments.md, section 32), so it is seen
-  now; gpt2_1_8b ran with the fourteenth set (results/h100/heldout-13/);
+  now; gpt2_1_8b ran with the fourteenth set (results/h100/heldout-13/) and was looked at with it;
 * the fourteenth (gpt2_2_2b, llama_2_4b, llama_2_2b, gpt2_1_9b; results/h100/heldout-14/), added before any run of
   them, the first profiled with the step-lane probe (model profile schema 10); their traces were looked at
   (docs/experiments.md, section 33), so they are seen now.
