@@ -95,7 +95,7 @@ def test_older_profile_falls_back_and_says_so():
     (note,) = [x for x in c.notes if "re-profile the model" in x]
     for what in ("backward without its gradient copies", "backward beside the CPU lane", "step by part",
                  "the CPU lane beside backward", "CPU Adam in its own engine", "1.49x slower", "85% and 58%",
-                 "at 1x the node profile's CPU-lane time", "(2.800 of 9.000 s)"):
+                 "at 1x the node profile's CPU-lane time", "(2.800 of 9.000 s)", "the CPU lane as the step runs it"):
         assert what in note, what
     # without NVML's counts: the bytes DeepSpeed's path moves
     b = Coefficients.of(n, model(profile_schema=2, bwd_s=9.0), SIZES).backward
@@ -139,10 +139,17 @@ def test_the_steps_lane_from_the_step_lane_probe():
     # a lane that read faster beside copies than alone is taken as not slowed by them
     m = m.model_copy(update={"lane_step_copies_slowdown": 0.95})
     assert Coefficients.of(n, m, SIZES).shape.lane_step_contention == (1.0, 50.0)
-    # older profiles: the step's lane at the backward probes' alone reading, the node's contention
-    s = Coefficients.of(n, model(lane_threads=16, lane_beside_s_per_elem=1e-9, lane_alone_s_per_elem=1e-9),
-                        SIZES).shape
-    assert s.lane_step_contention is None
+    assert not [x for x in Coefficients.of(n, m, SIZES).notes if "the CPU lane as the step runs it" in x]
+    # older profiles: the step's lane at the backward probes' alone reading, the node's contention, and a note that
+    # re-profiling measures it
+    old = model(profile_schema=8, lane_threads=16, lane_beside_s_per_elem=1e-9, lane_alone_s_per_elem=1e-9)
+    c = Coefficients.of(n, old, SIZES)
+    assert c.shape.lane_step_contention is None
+    (note,) = [x for x in c.notes if "re-profile the model" in x]
+    assert "the CPU lane as the step runs it" in note and "the cached lane probe's rate" in note
+    # a schema-10 profile measured without a GPU has none (its own notes say why): re-profiling would not measure it
+    cpu = old.model_copy(update={"profile_schema": 10})
+    assert not [x for x in Coefficients.of(n, cpu, SIZES).notes if "the CPU lane as the step runs it" in x]
 
 
 def test_cpu_adam_and_unscale_at_the_rates_the_engine_ran_them():

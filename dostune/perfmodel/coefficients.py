@@ -143,6 +143,10 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         size = 10**8
         alone = m.lane_step_s_per_elem / (node.cpu_lane_seconds(size, m.lane_step_threads, "cpu_convert") / size)
         contention = (max(1.0, m.lane_step_copies_slowdown), m.lane_step_copies_gbps)
+    elif m.profile_schema is not None and m.profile_schema < 10:
+        # a schema-10 profile without it was measured without a GPU (or its kernel did not build), which its notes say
+        missing.append(("the CPU lane as the step runs it", "the step's lane at the cached lane probe's rate and DeepSpeed's "
+                        "CPU Adam's slowdown beside copies"))
     return StepShape(prologue_share=prologue, release_share=min(release, prologue), lane_backward_slowdown=lane,
                      lane_step_slowdown=alone, lane_backward_with_copies=m.lane_beside_s_per_elem is None,
                      lane_step_contention=contention)
