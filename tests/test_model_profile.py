@@ -158,6 +158,16 @@ def test_the_step_lane_probe_keeps_the_updates_that_ran_beside_both_copy_directi
     assert scratch_subgroups(10**9, torch.bfloat16, 300 << 20) == 2
 
 
+def test_the_step_lane_reads_in_one_line():
+    from dostune.profile.model_record import StepLaneProfile
+    from dostune.stats import Stat
+
+    sl = StepLaneProfile(threads=16, elements=10_000_000, subgroups=5, alone_s=Stat.of([0.0030]),
+                         beside_copies_s=Stat.of([0.0045]), h2d_gbps=30.2, d2h_gbps=47.5)
+    assert sl.describe() == ("CPU lane as the step runs it (16 threads, 5 subgroups of 10M elements in turn): 0.300 ns "
+                             "per element alone, 1.50x slower beside 78 GB/s of copies both ways")
+
+
 def test_a_schema_9_profile_is_refused_and_older_ones_load_without_the_step_lane(tmp_path, prof):
     from dostune.errors import DostuneError
 

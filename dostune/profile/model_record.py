@@ -106,6 +106,12 @@ class StepLaneProfile(Record):
     def copies_slowdown(self) -> float:
         return self.beside_copies_s.median / self.alone_s.median
 
+    def describe(self) -> str:
+        return (f"CPU lane as the step runs it ({self.threads} threads, {self.subgroups} subgroups of "
+                f"{self.elements / 1e6:g}M elements in turn): {self.alone_s.median / self.elements * 1e9:.3f} ns per "
+                f"element alone, {self.copies_slowdown:.2f}x slower beside {self.h2d_gbps + self.d2h_gbps:.0f} GB/s of "
+                "copies both ways")
+
 
 class PinnedCopyProfile(Record):
     """Backward with each gradient partition copied asynchronously into page-locked host memory (in the training's
