@@ -123,8 +123,6 @@ def profile(
         prof = measure_node(opts, progress)
     save_record(prof, path)
     err_console.print(render_profile(prof))
-    if prof.step_lane is not None:
-        err_console.print(prof.step_lane.describe())
     for note in prof.notes:
         err_console.print(f"[yellow]note:[/] {note}")
     err_console.print(f"profile written to [bold]{path}[/]")
