@@ -121,8 +121,7 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
     prologue, release = shares if shares is not None else (FALLBACK_PROLOGUE_SHARE, FALLBACK_RELEASE_SHARE)
     lane, alone = FALLBACK_LANE_BACKWARD_SLOWDOWN, 1.0
     if m.lane_beside_s_per_elem is not None and m.lane_threads is not None:
-        size = 10**8  # per element at a subgroup's size, where the fitted overheads hardly count
-        composed = node.cpu_lane_seconds(size, m.lane_threads, "cpu_convert") / size
+        composed = node.cpu_lane_per_element(m.lane_threads)
         alone = m.lane_alone_s_per_elem / composed if m.lane_alone_s_per_elem else 1.0
         # Beside backward the lane is taken no faster than alone. The probe's updates run back to back on one scratch
         # subgroup in a thread that never waits; in training the lane updates each subgroup once, as its gradients
@@ -140,8 +139,7 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         # The step's lane as the step-lane probe read it: from memory, at the step's threads, and slowed beside copies
         # by its own measure instead of DeepSpeed's CPU Adam's (docs/experiments.md, section 33). Backward keeps the
         # backward probes' readings above.
-        size = 10**8
-        alone = m.lane_step_s_per_elem / (node.cpu_lane_seconds(size, m.lane_step_threads, "cpu_convert") / size)
+        alone = m.lane_step_s_per_elem / node.cpu_lane_per_element(m.lane_step_threads)
         contention = (max(1.0, m.lane_step_copies_slowdown), m.lane_step_copies_gbps)
     elif m.profile_schema is not None and m.profile_schema < 10:
         # a schema-10 profile without it was measured without a GPU (or its kernel did not build), which its notes say

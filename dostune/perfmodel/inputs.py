@@ -35,6 +35,10 @@ class Cost(BaseModel):
         return self if factor == 1.0 else Cost(overhead_s=self.overhead_s, rate=self.rate * factor)
 
 
+# a subgroup's size at which a per-element CPU-lane time is read (NodeInputs.cpu_lane_per_element)
+LANE_RATE_ELEMENTS = 10**8
+
+
 class NodeInputs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,6 +65,12 @@ class NodeInputs(BaseModel):
     def threads_near(self, threads: int) -> int:
         """The profiled CPU Adam thread count nearest ``threads``."""
         return threads if threads in self.cpu_adam else min(self.cpu_adam, key=lambda t: abs(t - threads))
+
+    def cpu_lane_per_element(self, threads: int) -> float:
+        """``cpu_lane_seconds`` (producing half precision on the CPU) per element at a subgroup's size, where the fitted
+        fixed costs hardly count: what the lane probes' per-element readings are set against, and the ratio of two
+        thread counts."""
+        return self.cpu_lane_seconds(LANE_RATE_ELEMENTS, threads, "cpu_convert") / LANE_RATE_ELEMENTS
 
     def cpu_lane_seconds(self, size: int, threads: int, upload: str) -> float:
         """Host time of one CPU-lane subgroup, uncontended: unscale, DeepSpeedCPUAdam (and the CPU conversion

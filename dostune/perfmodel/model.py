@@ -202,9 +202,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     # inputs. On the H100 a llama 2B step's CPU lane stood 40 ms until the GPU lane's last input was in.
     ring = upload_ring(sizes, plan, overlap, sched.upload)
     bthreads = sched.backward_cpu_threads or max(1, (sched.cpu_threads or inp.default_threads) - 1)
-    per = 10**8  # the thread counts' ratio per element at a subgroup's size
-    in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_seconds(per, bthreads, "cpu_convert") \
-        / inp.cpu_lane_seconds(per, threads, "cpu_convert")
+    in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_per_element(bthreads) \
+        / inp.cpu_lane_per_element(threads)
     bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
     grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if overlap and grad_bytes else []
     step_contention = shape.lane_step_contention if overlap else None

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..optim.footprint import STATE_BYTES
 from ..stats import Stat
 from .backward_probes import LaneLoad
 from .model_record import StepLaneProfile
@@ -48,7 +49,7 @@ def last_level_cache_bytes() -> Optional[int]:
 
 def input_bytes(half: torch.dtype) -> int:
     """Bytes of one element the CPU-lane kernel reads: the fp32 parameter, both moments, the half-precision gradient."""
-    return 3 * 4 + torch.tensor([], dtype=half).element_size()
+    return STATE_BYTES + torch.tensor([], dtype=half).element_size()
 
 
 def scratch_subgroups(elements: int, half: torch.dtype, cache: int) -> int:
