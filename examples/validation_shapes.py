@@ -32,7 +32,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   now; gpt2_1_8b ran with the fourteenth set (results/h100/heldout-13/) and was looked at with it;
 * the fourteenth (gpt2_2_2b, llama_2_4b, llama_2_2b, gpt2_1_9b; results/h100/heldout-14/), added before any run of
   them, the first profiled with the step-lane probe (model profile schema 10); their traces were looked at
-  (docs/experiments.md, section 33), so they are seen now.
+  (docs/experiments.md, section 33), so they are seen now;
+* the fifteenth (gpt2_2_5b, llama_2_6b), added before any run of them, to be validated with the model of the
+  fourteenth set.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -129,6 +131,10 @@ SHAPES = {
     "llama_2_2b": DecoderConfig("llama", layers=19, hidden=2944, heads=23, vocab=32000, max_positions=2048, ffn=7936,
                                 kv_heads=23),
     "gpt2_1_9b": DecoderConfig("gpt2", layers=25, hidden=2432, heads=38, vocab=50304, max_positions=1024),
+    # the fifteenth set
+    "gpt2_2_5b": DecoderConfig("gpt2", layers=32, hidden=2496, heads=26, vocab=50304, max_positions=1024),
+    "llama_2_6b": DecoderConfig("llama", layers=22, hidden=3200, heads=25, vocab=32000, max_positions=2048, ffn=8704,
+                                kv_heads=5),
 }
 
 
