@@ -33,7 +33,7 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fourteenth (gpt2_2_2b, llama_2_4b, llama_2_2b, gpt2_1_9b; results/h100/heldout-14/), added before any run of
   them, the first profiled with the step-lane probe (model profile schema 10); their traces were looked at
   (docs/experiments.md, section 33), so they are seen now;
-* the fifteenth (gpt2_2_5b, llama_2_6b), added before any run of them, to be validated with the model of the
+* the fifteenth (gpt2_2_5b, llama_2_6b, gpt2_2_6b), added before any run of them, to be validated with the model of the
   fourteenth set.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
@@ -135,6 +135,7 @@ SHAPES = {
     "gpt2_2_5b": DecoderConfig("gpt2", layers=32, hidden=2496, heads=26, vocab=50304, max_positions=1024),
     "llama_2_6b": DecoderConfig("llama", layers=22, hidden=3200, heads=25, vocab=32000, max_positions=2048, ffn=8704,
                                 kv_heads=5),
+    "gpt2_2_6b": DecoderConfig("gpt2", layers=35, hidden=2432, heads=32, vocab=50304, max_positions=1024),
 }
 
 
