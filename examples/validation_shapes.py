@@ -33,8 +33,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fourteenth (gpt2_2_2b, llama_2_4b, llama_2_2b, gpt2_1_9b; results/h100/heldout-14/), added before any run of
   them, the first profiled with the step-lane probe (model profile schema 10); their traces were looked at
   (docs/experiments.md, section 33), so they are seen now;
-* the fifteenth (gpt2_2_5b, llama_2_6b, gpt2_2_6b), added before any run of them, to be validated with the model of the
-  fourteenth set.
+* the fifteenth (gpt2_2_5b, llama_2_6b, gpt2_2_6b; results/h100/heldout-15/), added before any run of them and
+  validated with the model of the fourteenth set; nothing in the model has been changed for them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
