@@ -40,6 +40,14 @@ class Stat(BaseModel):
         return 0.0 if self.median == 0 else (self.hi - self.lo) / (2 * abs(self.median))
 
 
+def upper_middle(samples: Sequence[float]) -> float:
+    """The middle sample, the upper of the two middle ones for an even count: a sample that was measured, where a
+    median of two would average them. The contention probes report their copies' rates with it."""
+    if not samples:
+        raise ValueError("upper_middle needs at least one sample")
+    return sorted(samples)[len(samples) // 2]
+
+
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
     """Least-squares y = a + b*x. Returns (a, b, r2). Used for time = overhead + bytes/bandwidth."""
     if len(xs) != len(ys) or len(xs) < 2:

@@ -7,7 +7,7 @@ from dostune.profile.node import NodeProfileOptions, measure_node
 from dostune.profile.record import (NODE_SCHEMA_VERSION, LinearCost, Sample, fit_series, load_node_profile,
                                     node_profile_schema)
 from dostune.records import save_record
-from dostune.stats import Stat, linear_fit
+from dostune.stats import Stat, linear_fit, upper_middle
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,15 @@ def test_stat_of_reports_median_and_spread():
     s = Stat.of([3.0, 1.0, 2.0])
     assert (s.median, s.lo, s.hi, s.n) == (2.0, 1.0, 3.0, 3)
     assert s.rel_spread == pytest.approx(0.5)
+
+
+def test_upper_middle_is_a_measured_sample():
+    assert upper_middle([3.0, 1.0, 2.0]) == 2.0
+    # an even count gives the upper of the two middle samples, not their mean (Stat.of's median)
+    assert upper_middle([4.0, 1.0, 3.0, 2.0]) == 3.0
+    assert Stat.of([4.0, 1.0, 3.0, 2.0]).median == 2.5
+    with pytest.raises(ValueError):
+        upper_middle([])
 
 
 def test_cpu_measurements_on_tiny_sizes(tiny_profile):

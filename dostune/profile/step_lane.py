@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..optim.footprint import STATE_BYTES
-from ..stats import Stat
+from ..stats import Stat, upper_middle
 from .backward_probes import LaneLoad
 from .model_record import StepLaneProfile
 from .timing import NullProgress, ProgressSink
@@ -151,8 +151,6 @@ def measure_step_lane(elements: int, threads: int, half: torch.dtype, rounds: in
     if not beside:
         raise RuntimeError("no CPU-lane update ran while the copies streamed")
 
-    def median(xs: list[float]) -> float:
-        return round(sorted(xs)[len(xs) // 2], 2)
-
     return StepLaneProfile(threads=threads, elements=elements, subgroups=lane.subgroups, alone_s=Stat.of(alone),
-                           beside_copies_s=Stat.of(beside), h2d_gbps=median(h2d), d2h_gbps=median(d2h))
+                           beside_copies_s=Stat.of(beside), h2d_gbps=round(upper_middle(h2d), 2),
+                           d2h_gbps=round(upper_middle(d2h), 2))

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..optim.kernels import AdamScalarShadow, load_cpu_adam_op, triton_adam_
-from ..stats import Stat
+from ..stats import Stat, upper_middle
 from .record import ContentionProfile, ConvertProfile, CpuAdamProfile, Sample, Series, fit_series
 from .timing import NullProgress, ProgressSink, time_cpu, time_cuda
 
@@ -241,5 +241,5 @@ def measure_contention(elements: int, threads: int, repeats: int, device: int = 
         del bufs
         torch.cuda.empty_cache()
     return ContentionProfile(elements=elements, threads=threads, alone_s=alone, with_dma_s=Stat.of(samples),
-                             dma_gbps_during=round(sorted(rates)[len(rates) // 2], 2), gpus=len(devs),
-                             h2d_under_cpu=round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None)
+                             dma_gbps_during=round(upper_middle(rates), 2), gpus=len(devs),
+                             h2d_under_cpu=round(upper_middle(ratios), 3) if ratios else None)
