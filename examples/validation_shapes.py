@@ -34,7 +34,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   them, the first profiled with the step-lane probe (model profile schema 10); their traces were looked at
   (docs/experiments.md, section 33), so they are seen now;
 * the fifteenth (gpt2_2_5b, llama_2_6b, gpt2_2_6b; results/h100/heldout-15/), added before any run of them and
-  validated with the model of the fourteenth set; nothing in the model has been changed for them.
+  validated with the model of the fourteenth set; nothing in the model has been changed for them;
+* the sixteenth (gpt2_0_72b, llama_0_76b), added before any run of them, at the small end of the range that the model
+  of the fourteenth set had not met; named to two decimals, the one-decimal names of their sizes being taken.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -136,6 +138,10 @@ SHAPES = {
     "llama_2_6b": DecoderConfig("llama", layers=22, hidden=3200, heads=25, vocab=32000, max_positions=2048, ffn=8704,
                                 kv_heads=5),
     "gpt2_2_6b": DecoderConfig("gpt2", layers=35, hidden=2432, heads=32, vocab=50304, max_positions=1024),
+    # the sixteenth set
+    "gpt2_0_72b": DecoderConfig("gpt2", layers=19, hidden=1664, heads=13, vocab=50304, max_positions=1024),
+    "llama_0_76b": DecoderConfig("llama", layers=10, hidden=2432, heads=38, vocab=32000, max_positions=2048, ffn=6528,
+                                 kv_heads=2),
 }
 
 
