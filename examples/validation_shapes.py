@@ -37,6 +37,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated with the model of the fourteenth set; nothing in the model has been changed for them;
 * the sixteenth (gpt2_0_72b, llama_0_76b), added before any run of them, at the small end of the range that the model
   of the fourteenth set had not met; named to two decimals, the one-decimal names of their sizes being taken.
+  gpt2_0_72b was validated (results/h100/heldout-16/); llama_0_76b was profiled, but a time limit stopped its
+  validation, so it is still unseen.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 

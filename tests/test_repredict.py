@@ -71,7 +71,7 @@ def held_out():
 
 
 def test_todays_model_on_every_held_out_validation(held_out):
-    assert len(held_out) >= 44
+    assert len(held_out) >= 45
     # ZeRO-Offload's prediction is its model profile's own measurement: no change of the model moves it
     for then, now in held_out:
         zo_then = [v for v in then.validation if v.method == "zero-offload"]
@@ -79,8 +79,8 @@ def test_todays_model_on_every_held_out_validation(held_out):
         assert [x for v in zo_now for x in (v.predicted_iter_s, v.predicted_step_s)] == pytest.approx(
             [x for v in zo_then for x in (v.predicted_iter_s, v.predicted_step_s)], rel=1e-6), then.model
     rows = [r for r in summarize([now for _, now in held_out]) if r["method"] == "dostune"]
-    # what today's model achieves on the 44 shapes of the held-out sets (docs/performance-model.md): 24 within both
-    # bounds, medians 8.1% and 15.3%; a change of the model that does worse on them fails here, so no shape in these
+    # what today's model achieves on the 45 shapes of the held-out sets (docs/performance-model.md): 24 within both
+    # bounds, medians 8.1% and 15.7%; a change of the model that does worse on them fails here, so no shape in these
     # sets is unseen by a model changed after it was added
     assert sum(r["ok"] for r in rows) >= 23
     assert statistics.median(r["iter"] for r in rows) <= 0.09
