@@ -37,8 +37,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated with the model of the fourteenth set; nothing in the model has been changed for them;
 * the sixteenth (gpt2_0_72b, llama_0_76b), added before any run of them, at the small end of the range that the model
   of the fourteenth set had not met; named to two decimals, the one-decimal names of their sizes being taken.
-  gpt2_0_72b was validated (results/h100/heldout-16/); llama_0_76b was profiled, but a time limit stopped its
-  validation, so it is still unseen.
+  Both were validated with the model of the fourteenth set (results/h100/heldout-16/), llama_0_76b an hour later on
+  another machine;
+* the seventeenth (gpt2_0_95b, llama_0_94b), added before any run of them, at about 0.95B, a size between shapes
+  the model has met.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -144,6 +146,10 @@ SHAPES = {
     "gpt2_0_72b": DecoderConfig("gpt2", layers=19, hidden=1664, heads=13, vocab=50304, max_positions=1024),
     "llama_0_76b": DecoderConfig("llama", layers=10, hidden=2432, heads=38, vocab=32000, max_positions=2048, ffn=6528,
                                  kv_heads=2),
+    # the seventeenth set
+    "gpt2_0_95b": DecoderConfig("gpt2", layers=24, hidden=1728, heads=27, vocab=50304, max_positions=1024),
+    "llama_0_94b": DecoderConfig("llama", layers=17, hidden=2112, heads=33, vocab=32000, max_positions=2048, ffn=5632,
+                                 kv_heads=11),
 }
 
 
