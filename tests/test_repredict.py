@@ -50,7 +50,10 @@ def test_the_committed_validations_find_the_profiles_of_their_machine():
                             ("heldout-6/gpt2_1_0b.json", "node-a.json"), ("heldout-6/gpt2_2_0b.json", "node-b.json"),
                             ("heldout-6/llama_1_8b.json", "node-c.json"), ("heldout-7/gpt2_1_4b.json", "node-b.json"),
                             ("heldout-7/llama_1_6b.json", "node-c.json"), ("heldout-14/llama_2_2b.json", "node-a.json"),
-                            ("heldout-14/gpt2_1_9b.json", "node-b.json")):
+                            ("heldout-14/gpt2_1_9b.json", "node-b.json"),
+                            ("heldout-16/llama_0_76b.json", "node-b.json"),
+                            ("heldout-17/gpt2_0_95b.json", "node-a.json"),
+                            ("heldout-17/llama_0_94b.json", "node-b.json")):
         path = h / tune_json
         found = tuple(p.resolve() for p in profiles_of(load(path), path))
         assert found == (path.with_name(node), path.with_name(f"{path.stem}-profile.json")), tune_json
@@ -71,7 +74,7 @@ def held_out():
 
 
 def test_todays_model_on_every_held_out_validation(held_out):
-    assert len(held_out) >= 45
+    assert len(held_out) >= 48
     # ZeRO-Offload's prediction is its model profile's own measurement: no change of the model moves it
     for then, now in held_out:
         zo_then = [v for v in then.validation if v.method == "zero-offload"]
@@ -79,10 +82,10 @@ def test_todays_model_on_every_held_out_validation(held_out):
         assert [x for v in zo_now for x in (v.predicted_iter_s, v.predicted_step_s)] == pytest.approx(
             [x for v in zo_then for x in (v.predicted_iter_s, v.predicted_step_s)], rel=1e-6), then.model
     rows = [r for r in summarize([now for _, now in held_out]) if r["method"] == "dostune"]
-    # what today's model achieves on the 45 shapes of the held-out sets (docs/performance-model.md): 24 within both
-    # bounds, medians 8.1% and 15.7%; a change of the model that does worse on them fails here, so no shape in these
+    # what today's model achieves on the 48 shapes of the held-out sets (docs/performance-model.md): 26 within both
+    # bounds, medians 8.0% and 15.3%; a change of the model that does worse on them fails here, so no shape in these
     # sets is unseen by a model changed after it was added
-    assert sum(r["ok"] for r in rows) >= 23
+    assert sum(r["ok"] for r in rows) >= 25
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.17
 
