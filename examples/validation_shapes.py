@@ -40,7 +40,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   Both were validated with the model of the fourteenth set (results/h100/heldout-16/), llama_0_76b an hour later on
   another machine;
 * the seventeenth (gpt2_0_95b, llama_0_94b), added before any run of them, at about 0.95B, a size between shapes
-  the model has met.
+  the model had met; validated with the model of the fourteenth set (results/h100/heldout-17/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
