@@ -145,3 +145,20 @@ def _node():
     from dostune.profile.paths import shipped_profile
 
     return shipped_profile()
+
+
+def test_one_default_sub_group_size():
+    """Every place that runs ZeRO-3 without a sub_group_size given takes the same one: a profile taken at one size
+    and a validation or bench run at another would compare different steps."""
+    import inspect
+
+    from dostune.bench.run import BenchOptions
+    from dostune.cli.bench import bench
+    from dostune.cli.profile import profile
+    from dostune.dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings
+    from dostune.profile.model import ModelProfileOptions
+
+    cli = [inspect.signature(f).parameters["sub_group_size"].default.default for f in (bench, profile)]
+    assert cli == [DEFAULT_SUB_GROUP_SIZE] * 2
+    assert {BenchOptions().sub_group_size, ModelProfileOptions().sub_group_size,
+            OffloadSettings().sub_group_size} == {DEFAULT_SUB_GROUP_SIZE}

@@ -24,7 +24,7 @@ import torch
 
 from .._version import __version__
 from ..invocation import invocation
-from ..dsconfig import OffloadSettings, TrainSettings, check_precision, deepspeed_config
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings, TrainSettings, check_precision, deepspeed_config
 from ..errors import DostuneError
 from ..models.registry import ModelSpec, resolve_model
 from ..optim.schedule import ScheduleConfig
@@ -87,7 +87,7 @@ class BenchOptions:
     rounds: int = 1
     seed: int = 0
     methods: Optional[list[str]] = None
-    sub_group_size: int = 100_000_000  # DeepSpeed's faster setting on the reference node (1e8 vs its 1e9 default)
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
     schedule: Optional[ScheduleConfig] = None  # dostune's; default: ScheduleConfig()
     dostune_sub_group_size: Optional[int] = None
     dostune_world: Optional[World] = None  # the world dostune's --config was tuned for, when it says

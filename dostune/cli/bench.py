@@ -13,7 +13,7 @@ from rich.table import Table
 from ..bench.record import BenchResult
 from ..bench.report import COLUMNS, ceiling_lines, markdown, plot_timeline, rank_lines, rows, set_aside_lines
 from ..bench.run import METHODS, BenchOptions, Variant, check_bench_options, is_dostune, node_label, run_bench
-from ..dsconfig import activation_checkpointing as config_checkpoints
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, activation_checkpointing as config_checkpoints
 from ..errors import ConfigError, DostuneError
 from ..optim.schedule import ScheduleConfig
 from ..perfmodel.world import World, rank
@@ -102,7 +102,7 @@ def bench(
                                                 "file name, or its folder's for a ds_config.json), measured in the "
                                                 "same round order.", metavar="<path>"),
     schedule: Optional[str] = typer.Option(None, help='dostune\'s schedule as JSON, e.g. \'{"gpu_fraction": 0.3}\'.'),
-    sub_group_size: int = typer.Option(100_000_000, min=1, help="sub_group_size for DeepSpeed's methods."),
+    sub_group_size: int = typer.Option(DEFAULT_SUB_GROUP_SIZE, min=1, help="sub_group_size for DeepSpeed's methods."),
     dostune_sub_group_size: Optional[int] = typer.Option(None, min=1, help="sub_group_size for dostune, every "
                                                          "--config (default: each --config's, else "
                                                          "--sub-group-size)."),

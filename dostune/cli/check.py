@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ..bench.check import IDENTITY, CheckReport, UnusableInput, check_gate, compare, identity_mismatch, junit_xml
 from ..bench.record import load_bench
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError, ProfileError
 from ..records import atomic_write_text, check_writable
 from .common import err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json, quiet_stdout
@@ -95,8 +96,8 @@ def _fresh_run(base, ratio_only: bool):
     sgs = lambda t: t.sub_group_size if t.sub_group_size_given else None  # noqa: E731
     opts = BenchOptions(model=base.model, micro_batch=base.micro_batch, seq=base.seq, precision=base.precision,
                         iters=base.iters, warmup=base.warmup, seed=base.seed, methods=methods, schedule=sched,
-                        sub_group_size=sgs(z) or 100_000_000, dostune_sub_group_size=sgs(d), dostune_world=d.world,
-                        node=base.node)
+                        sub_group_size=sgs(z) or DEFAULT_SUB_GROUP_SIZE, dostune_sub_group_size=sgs(d),
+                        dostune_world=d.world, node=base.node)
     from .common import RichProgress
 
     with RichProgress() as progress, quiet_stdout():

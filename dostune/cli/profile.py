@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
 from ..profile.identity import gpu_info
 from ..profile.node import NodeProfileOptions, default_name, measure_node
@@ -63,7 +64,7 @@ def profile(
                                         "gpt2-1.3b), hf:config.json, or package.module:factory."),
     micro_batch: int = typer.Option(8, min=1, help="With --model: micro-batch size."),
     seq: int = typer.Option(1024, min=1, help="With --model: sequence length."),
-    sub_group_size: int = typer.Option(100_000_000, min=1, help="With --model: ZeRO-3 sub_group_size whose "
+    sub_group_size: int = typer.Option(DEFAULT_SUB_GROUP_SIZE, min=1, help="With --model: ZeRO-3 sub_group_size whose "
                                        "subgroups' gradient readiness is timed."),
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     probe_seconds: Optional[float] = typer.Option(None, min=0, help="With --model: spread the backward probes over "

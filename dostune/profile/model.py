@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .._version import __version__
-from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings, TrainSettings, deepspeed_config
 from ..errors import DostuneError
 from ..host_memory import fit_host_memory
 from ..host_steal import QuietRuns, set_aside_text, steal_note
@@ -52,7 +52,7 @@ class ModelProfileOptions:
     micro_batch: int = 8
     seq: int = 1024
     precision: str = "bf16"
-    sub_group_size: int = 100_000_000
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
     reduce_bucket_size: int = 50_000_000  # DeepSpeed's gradient bucket: grads become final bucket by bucket
     iters: int = 5
     warmup: int = 2

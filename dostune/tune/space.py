@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
 from ..optim.footprint import STATE_BYTES
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for
@@ -59,7 +60,7 @@ class Space:
         self.sub_group_sizes = [s for s in sub_group_sizes if s < total] or [total]
         self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
         self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
-        self.ds_sub_group_size = model.ds_sub_group_size or 100_000_000
+        self.ds_sub_group_size = model.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE
         # every coefficient of the model, from the two profiles (perfmodel/coefficients.py)
         self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
         self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured

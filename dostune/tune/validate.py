@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from ..bench.record import BenchResult, MethodResult
 from ..bench.pool import pool_rounds
 from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offload, run_method
-from ..dsconfig import OffloadSettings
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
 from ..models.registry import ModelSpec, resolve_model
@@ -80,7 +80,7 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
     spec = resolve_model(result.model)
     opts = BenchOptions(model=result.model, micro_batch=result.micro_batch, seq=seq, precision=result.precision,
                         iters=iters, warmup=warmup, rounds=rounds, clip=0.0,
-                        sub_group_size=result.ds_sub_group_size or 100_000_000)
+                        sub_group_size=result.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE)
     opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision, clip=0.0,
                          activation_checkpointing=activation_checkpointing)
     # (label, method, offload settings, sub_group_size, schedule, prediction) of every method to measure
