@@ -40,7 +40,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   Both were validated with the model of the fourteenth set (results/h100/heldout-16/), llama_0_76b an hour later on
   another machine;
 * the seventeenth (gpt2_0_95b, llama_0_94b), added before any run of them, at about 0.95B, a size between shapes
-  the model had met; validated with the model of the fourteenth set (results/h100/heldout-17/).
+  the model had met; validated with the model of the fourteenth set (results/h100/heldout-17/);
+* the eighteenth (gpt2_0_81b, llama_0_86b, llama_0_83b, gpt2_0_84b), added before any run of them, at 0.8-0.9B, to be
+  validated with the default two rounds per method, as `dostune tune --validate 3` runs them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -150,6 +152,13 @@ SHAPES = {
     "gpt2_0_95b": DecoderConfig("gpt2", layers=24, hidden=1728, heads=27, vocab=50304, max_positions=1024),
     "llama_0_94b": DecoderConfig("llama", layers=17, hidden=2112, heads=33, vocab=32000, max_positions=2048, ffn=5632,
                                  kv_heads=11),
+    # the eighteenth set
+    "gpt2_0_81b": DecoderConfig("gpt2", layers=14, hidden=2048, heads=32, vocab=50304, max_positions=1024),
+    "llama_0_86b": DecoderConfig("llama", layers=14, hidden=2176, heads=34, vocab=32000, max_positions=2048, ffn=5760,
+                                 kv_heads=17),
+    "llama_0_83b": DecoderConfig("llama", layers=21, hidden=1792, heads=28, vocab=32000, max_positions=2048, ffn=4864,
+                                 kv_heads=7),
+    "gpt2_0_84b": DecoderConfig("gpt2", layers=18, hidden=1856, heads=29, vocab=50304, max_positions=1024),
 }
 
 
