@@ -53,7 +53,10 @@ def test_the_committed_validations_find_the_profiles_of_their_machine():
                             ("heldout-14/gpt2_1_9b.json", "node-b.json"),
                             ("heldout-16/llama_0_76b.json", "node-b.json"),
                             ("heldout-17/gpt2_0_95b.json", "node-a.json"),
-                            ("heldout-17/llama_0_94b.json", "node-b.json")):
+                            ("heldout-17/llama_0_94b.json", "node-b.json"),
+                            ("heldout-18/gpt2_0_81b.json", "node-a.json"),
+                            ("heldout-18/llama_0_86b.json", "node-b.json"),
+                            ("heldout-18/llama_0_83b.json", "node-c.json")):
         path = h / tune_json
         found = tuple(p.resolve() for p in profiles_of(load(path), path))
         assert found == (path.with_name(node), path.with_name(f"{path.stem}-profile.json")), tune_json
@@ -74,7 +77,7 @@ def held_out():
 
 
 def test_todays_model_on_every_held_out_validation(held_out):
-    assert len(held_out) >= 48
+    assert len(held_out) >= 51
     # ZeRO-Offload's prediction is its model profile's own measurement: no change of the model moves it
     for then, now in held_out:
         zo_then = [v for v in then.validation if v.method == "zero-offload"]
@@ -82,10 +85,10 @@ def test_todays_model_on_every_held_out_validation(held_out):
         assert [x for v in zo_now for x in (v.predicted_iter_s, v.predicted_step_s)] == pytest.approx(
             [x for v in zo_then for x in (v.predicted_iter_s, v.predicted_step_s)], rel=1e-6), then.model
     rows = [r for r in summarize([now for _, now in held_out]) if r["method"] == "dostune"]
-    # what today's model achieves on the 48 shapes of the held-out sets (docs/performance-model.md): 26 within both
-    # bounds, medians 8.0% and 15.3%; a change of the model that does worse on them fails here, so no shape in these
+    # what today's model achieves on the 51 shapes of the held-out sets (docs/performance-model.md): 28 within both
+    # bounds, medians 8.1% and 15.7%; a change of the model that does worse on them fails here, so no shape in these
     # sets is unseen by a model changed after it was added
-    assert sum(r["ok"] for r in rows) >= 25
+    assert sum(r["ok"] for r in rows) >= 27
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.17
 
