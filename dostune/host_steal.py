@@ -71,7 +71,7 @@ def steal_note(share: Optional[float], while_: str) -> Optional[str]:
     """The profile's note when the hypervisor took more than NOTE_ABOVE of the CPU while it measured."""
     if share is None or share <= NOTE_ABOVE:
         return None
-    return (f"the hypervisor took {share:.1%} of this machine's CPU time while {while_} (steal in /proc/stat): "
+    return (f"the hypervisor took {share:.1%} of the machine's CPU time while {while_} (steal in /proc/stat): "
             "CPU-bound figures run slower then, so predictions from this profile may miss on a quieter host; "
             "profile again when the host is quiet")
 

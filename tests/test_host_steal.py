@@ -43,7 +43,7 @@ def test_meter_adds_its_windows_and_skips_what_it_cannot_read(tmp_path):
 def test_note_only_above_the_threshold():
     assert steal_note(None, "x") is None and steal_note(NOTE_ABOVE, "x") is None and steal_note(0.0, "x") is None
     note = steal_note(0.043, "ZeRO-Offload's iterations were timed")
-    assert note.startswith("the hypervisor took 4.3% of this machine's CPU time while ZeRO-Offload's iterations were "
+    assert note.startswith("the hypervisor took 4.3% of the machine's CPU time while ZeRO-Offload's iterations were "
                            "timed") and "profile again when the host is quiet" in note
 
 

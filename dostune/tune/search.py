@@ -15,6 +15,7 @@ from ..optim.schedule import ScheduleConfig
 from ..dsconfig import (OffloadSettings, Target, TrainSettings, check_precision, check_target, deepspeed_config,
                         hf_config)
 from ..errors import DostuneError, ProfileError
+from ..host_steal import steal_note
 from ..invocation import invocation
 from ..models.registry import resolve_model
 from ..perfmodel.inputs import ModelInputs
@@ -98,10 +99,12 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
     if model is None:
         opts.notes.append("no model profile: forward/backward times and the step's free memory are unknown, so the "
                           "search minimises the optimizer step alone (run `dostune profile --model` for more)")
-    else:
-        note = wide_pass_note(model)
-        if note:
-            opts.notes.append(note)
+    # a profile measured while the hypervisor took CPU time is a slower host's: the profile said so when it was taken,
+    # and the tune says it again, beside the predictions it makes from it (docs/performance-model.md, eighteenth set)
+    notes = [steal_note(node.steal, f"{node_path.name} was measured")]
+    if model is not None:
+        notes += [steal_note(model.steal, f"{model_path.name} timed ZeRO-Offload's iterations"), wide_pass_note(model)]
+    opts.notes += [n for n in notes if n]
     return node, node_path, model, model_path
 
 
