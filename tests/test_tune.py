@@ -270,43 +270,38 @@ def test_a_model_whose_offloaded_state_no_schedule_fits_on_the_host_is_refused_f
         build_space(TuneOptions(model="llama-13b", profile=shipped_profile()))
 
 
-def test_tune_names_the_passes_that_wandered_over_the_model_profiles_probe_rounds(monkeypatch):
+@pytest.fixture
+def held_out_notes(monkeypatch):
+    """The notes `dostune tune` writes from a committed held-out validation's two profiles: (set, shape, node, key,
+    micro_batch, default the model profile's) -> the notes that contain ``key``."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.syspath_prepend(str(root))  # examples.validation_shapes
-    held = root / "results" / "h100" / "heldout-8"
 
-    def notes(shape, node, micro_batch):
-        opts = TuneOptions(model=f"examples.validation_shapes:{shape}", profile=held / node,
-                           model_profile=held / f"{shape}-profile.json", micro_batch=micro_batch)
+    def notes(held, shape, node, key, micro_batch=None):
+        d = root / "results" / "h100" / held
+        opts = TuneOptions(model=f"examples.validation_shapes:{shape}", profile=d / node,
+                           model_profile=d / f"{shape}-profile.json", micro_batch=micro_batch)
         build_space(opts)
-        return [n for n in opts.notes if "wandered" in n]
+        return [n for n in opts.notes if key in n]
 
+    return notes
+
+
+def test_tune_names_the_passes_that_wandered_over_the_model_profiles_probe_rounds(held_out_notes):
     # gpt2_4_1b at micro-batch 8: its passes ran 21-40% apart over the minute of rounds (docs/experiments.md, 30)
-    [note] = notes("gpt2_4_1b", "node-c.json", 8)
+    [note] = held_out_notes("heldout-8", "gpt2_4_1b", "node-c.json", "wandered")
     assert "its 36 probe rounds" in note and "forward 40%, backward without copies 33%, backward beside the CPU lane " \
         "21%" in note
     # llama_6_4b at micro-batch 16 with checkpointing: within 2%, nothing to say
-    assert notes("llama_6_4b", "node-b.json", 16) == []
+    assert held_out_notes("heldout-8", "llama_6_4b", "node-b.json", "wandered", micro_batch=16) == []
 
 
-def test_tune_repeats_the_steal_its_model_profile_was_measured_under(monkeypatch):
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root))  # examples.validation_shapes
-    held = root / "results" / "h100" / "heldout-18"
-
-    def notes(shape, node):
-        opts = TuneOptions(model=f"examples.validation_shapes:{shape}", profile=held / node,
-                           model_profile=held / f"{shape}-profile.json")
-        build_space(opts)
-        return [n for n in opts.notes if "hypervisor" in n]
-
+def test_tune_repeats_the_steal_its_model_profile_was_measured_under(held_out_notes):
     # llama_0_83b's profile was timed under 2.1% steal, and its dostune rows then ran faster than predicted on a
     # quieter host (docs/performance-model.md, eighteenth set); its node profile, under 0.2%, is not named
-    [note] = notes("llama_0_83b", "node-c.json")
+    [note] = held_out_notes("heldout-18", "llama_0_83b", "node-c.json", "hypervisor")
     assert note.startswith("the hypervisor took 2.1% of the machine's CPU time while llama_0_83b-profile.json timed "
                            "ZeRO-Offload's iterations") and "profile again when the host is quiet" in note
-    assert notes("gpt2_0_81b", "node-a.json") == []
+    assert held_out_notes("heldout-18", "gpt2_0_81b", "node-a.json", "hypervisor") == []
