@@ -43,7 +43,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   the model had met; validated with the model of the fourteenth set (results/h100/heldout-17/);
 * the eighteenth (gpt2_0_81b, llama_0_86b, llama_0_83b, gpt2_0_84b), added before any run of them, at 0.8-0.9B; the
   first three validated with the model of the fourteenth set at the default two rounds per method, as
-  `dostune tune --validate 3` runs them (results/h100/heldout-18/); gpt2_0_84b not yet run, so still unseen.
+  `dostune tune --validate 3` runs them (results/h100/heldout-18/); gpt2_0_84b not yet run, so still unseen;
+* the nineteenth (gpt2_0_76b, llama_0_78b), added before any run of them, at about 0.8B.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -160,6 +161,10 @@ SHAPES = {
     "llama_0_83b": DecoderConfig("llama", layers=21, hidden=1792, heads=28, vocab=32000, max_positions=2048, ffn=4864,
                                  kv_heads=7),
     "gpt2_0_84b": DecoderConfig("gpt2", layers=18, hidden=1856, heads=29, vocab=50304, max_positions=1024),
+    # the nineteenth set
+    "gpt2_0_76b": DecoderConfig("gpt2", layers=22, hidden=1600, heads=25, vocab=50304, max_positions=1024),
+    "llama_0_78b": DecoderConfig("llama", layers=19, hidden=1856, heads=29, vocab=32000, max_positions=2048, ffn=4992,
+                                 kv_heads=1),
 }
 
 
