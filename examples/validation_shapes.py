@@ -48,7 +48,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the nineteenth (gpt2_0_76b, llama_0_78b), added before any run of them, at about 0.8B; validated the same way with
   the model of the fourteenth set (results/h100/heldout-19/). Their traces, with every held-out set's, and a bench of
   gpt2_0_76b without its swing and without a CPU lane were looked at since (docs/experiments.md, section 37), so they
-  are seen now; nothing in the model has been changed for them.
+  are seen now; nothing in the model has been changed for them;
+* the twentieth (gpt2_1_07b, llama_1_31b), added before any run of them, at 1.1-1.3B, back in the middle of the range
+  after four sets under 1B.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -169,6 +171,9 @@ SHAPES = {
     "gpt2_0_76b": DecoderConfig("gpt2", layers=22, hidden=1600, heads=25, vocab=50304, max_positions=1024),
     "llama_0_78b": DecoderConfig("llama", layers=19, hidden=1856, heads=29, vocab=32000, max_positions=2048, ffn=4992,
                                  kv_heads=1),
+    # the twentieth set
+    "gpt2_1_07b": DecoderConfig("gpt2", layers=22, hidden=1920, heads=24, vocab=50304, max_positions=1024),
+    "llama_1_31b": DecoderConfig("llama", layers=17, hidden=2368, heads=37, vocab=32000, max_positions=2048, ffn=6400),
 }
 
 
