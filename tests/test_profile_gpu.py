@@ -51,3 +51,24 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     assert not [n for n in c.notes if "re-profile the model" in n]
     assert c.backward.slowdown >= 1.0 and 0 < c.shape.release_share <= c.shape.prologue_share <= 1
     assert c.shape.lane_step_contention is not None
+
+
+def test_queued_copies_stream_both_ways_and_the_contention_probe_reads_them():
+    import math
+
+    import torch
+
+    from dostune.profile.copy_load import QUEUE_GBPS, DuplexCopies
+    from dostune.profile.throughput import measure_contention
+
+    chunk = 8 << 20
+    copies = DuplexCopies(torch.device("cuda", 0), chunk, host_chunks=3)
+    queued = copies.queue(0.005)
+    h2d, d2h = queued.chunk_ends()
+    # sized for three times the work at the queue's rate, each direction's chunks back to back from the start
+    assert len(h2d) == len(d2h) == max(4, math.ceil(3 * 0.005 * QUEUE_GBPS * 1e9 / chunk))
+    for ends in (h2d, d2h):
+        assert all(b > a for a, b in zip(ends, ends[1:])) and ends[0] > 0
+        assert len(ends) * chunk / ends[-1] > 1e9  # slower than 1 GB/s is a broken measurement
+    c = measure_contention(1_000_000, 2, repeats=2, chunk_bytes=chunk)
+    assert c.with_dma_s.n == 2 and c.dma_gbps_during > 1 and c.gpus == 1

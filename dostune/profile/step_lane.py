@@ -21,6 +21,7 @@ import torch
 from ..optim.footprint import STATE_BYTES
 from ..stats import Stat, upper_middle
 from .backward_probes import LaneLoad
+from .copy_load import DuplexCopies
 from .model_record import StepLaneProfile
 from .timing import NullProgress, ProgressSink
 
@@ -82,21 +83,14 @@ def beside_copies(spans: Sequence[tuple[float, float]], h2d_ends: Sequence[float
 def measure_step_lane(elements: int, threads: int, half: torch.dtype, rounds: int, device: int = 0,
                       progress: Optional[ProgressSink] = None, cache: Optional[int] = None) -> StepLaneProfile:
     """``rounds`` rounds, each one pass over the scratch subgroups alone, then one beside copies both ways on GPU
-    ``device`` (after one untimed pass). dostune's CPU-lane kernel holds no GIL while it computes, but the copies need
-    no thread at all: enough of them to outlast a pass are queued on two streams first, and the DMA engines run them
-    while the host updates."""
+    ``device``, queued ahead (copy_load.py), after one untimed pass."""
     progress = progress or NullProgress()
     cache = cache or last_level_cache_bytes() or UNKNOWN_CACHE_BYTES
     lane = LaneLoad(elements, threads, half, subgroups=scratch_subgroups(elements, half, cache))
     progress.start(f"the CPU lane as the step runs it: {lane.subgroups} subgroups of {elements / 1e6:.0f}M elements in "
                    f"turn, {threads} threads, alone and beside copies both ways", rounds)
-    dev = torch.device("cuda", device)
     host_chunks = max(2, math.ceil(2 * cache / CHUNK_BYTES))
-    host_up = torch.empty(host_chunks * CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-    host_down = torch.empty(host_chunks * CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-    dev_up = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=dev)
-    dev_down = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=dev)
-    up, down = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+    copies = DuplexCopies(torch.device("cuda", device), CHUNK_BYTES, host_chunks)
 
     def one_pass() -> list[tuple[float, float]]:
         spans = []
@@ -106,47 +100,25 @@ def measure_step_lane(elements: int, threads: int, half: torch.dtype, rounds: in
             spans.append((t0, time.perf_counter()))
         return spans
 
-    def event() -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
-
     alone, beside, h2d, d2h = [], [], [], []
     try:
         one_pass()  # untimed: pages touched, the kernel warm
         for _ in range(rounds):
             spans = one_pass()
             alone += [b - a for a, b in spans]
-            # copies for ~3x the pass, at a generous 60 GB/s per direction
-            n = max(4, math.ceil(3 * (spans[-1][1] - spans[0][0]) * 60e9 / CHUNK_BYTES))
-            torch.cuda.synchronize(dev)
-            starts, ends = (event(), event()), ([], [])
-            t_queue = time.perf_counter()
-            for stream, start in zip((up, down), starts):
-                start.record(stream)
-            for k in range(n):
-                chunk = slice((k % host_chunks) * CHUNK_BYTES, (k % host_chunks + 1) * CHUNK_BYTES)
-                with torch.cuda.stream(up):
-                    dev_up.copy_(host_up[chunk], non_blocking=True)
-                    ends[0].append(event())
-                    ends[0][-1].record(up)
-                with torch.cuda.stream(down):
-                    host_down[chunk].copy_(dev_down, non_blocking=True)
-                    ends[1].append(event())
-                    ends[1][-1].record(down)
+            queued = copies.queue(spans[-1][1] - spans[0][0])
             time.sleep(0.002)  # the DMA engines under way before the lane starts
             spans = one_pass()
-            torch.cuda.synchronize(dev)
-            # the GPU was idle: its copies started as they were queued, at t_queue on the host clock
-            kept, up_gbps, down_gbps = beside_copies(
-                [(a - t_queue, b - t_queue) for a, b in spans],
-                [starts[0].elapsed_time(e) / 1e3 for e in ends[0]],
-                [starts[1].elapsed_time(e) / 1e3 for e in ends[1]], CHUNK_BYTES)
+            h2d_ends, d2h_ends = queued.chunk_ends()
+            kept, up_gbps, down_gbps = beside_copies([(a - queued.t_queue, b - queued.t_queue) for a, b in spans],
+                                                     h2d_ends, d2h_ends, CHUNK_BYTES)
             if kept:
                 beside += kept
                 h2d.append(up_gbps)
                 d2h.append(down_gbps)
             progress.advance()
     finally:
-        del host_up, host_down, dev_up, dev_down
+        del copies
         torch.cuda.empty_cache()
     if not beside:
         raise RuntimeError("no CPU-lane update ran while the copies streamed")

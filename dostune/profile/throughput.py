@@ -9,6 +9,7 @@ import torch
 
 from ..optim.kernels import AdamScalarShadow, load_cpu_adam_op, triton_adam_
 from ..stats import Stat, upper_middle
+from .copy_load import DuplexCopies
 from .record import ContentionProfile, ConvertProfile, CpuAdamProfile, Sample, Series, fit_series
 from .timing import NullProgress, ProgressSink, time_cpu, time_cuda
 
@@ -180,65 +181,36 @@ def measure_contention(elements: int, threads: int, repeats: int, device: int = 
     so the same window also shows the host-to-device copies slowed by CPU Adam (``h2d_under_cpu``): both stream
     through host memory.
 
-    DeepSpeedCPUAdam holds the GIL, so no Python thread could feed copies during its step: enough
-    copies to outlast the step are queued on two streams per GPU first, and the DMA engines run them while
-    the CPU computes."""
+    The copies are queued ahead on each GPU (copy_load.py): DeepSpeedCPUAdam holds the GIL, so no Python thread could
+    feed them during its step."""
     progress = progress or NullProgress()
     devs = [torch.device("cuda", d) for d in (devices or [device])]
     progress.start("CPU Adam under concurrent PCIe traffic" + (f" ({len(devs)} GPUs)" if len(devs) > 1 else ""),
                    2 * repeats)
     bench = CpuAdamBench(elements)
-    def buffers(dev):  # pinned source and destination, device destination and source, two streams
-        return (dev, torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True),
-                torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True),
-                torch.empty(chunk_bytes, dtype=torch.uint8, device=dev),
-                torch.empty(chunk_bytes, dtype=torch.uint8, device=dev),
-                torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev))
-
-    def timing_event():
-        return torch.cuda.Event(enable_timing=True)
-
-    bufs = [buffers(dev) for dev in devs]
+    copies = [DuplexCopies(dev, chunk_bytes) for dev in devs]
     try:
         with _threads(threads):
             alone = time_cpu(bench.step, repeats, progress=progress)
-            # Queue copies for ~3x the step, at a generous 60 GB/s per direction.
-            n_chunks = max(4, int(3 * alone.median * 60e9 / chunk_bytes))
             samples, rates, ratios = [], [], []
             for _ in range(repeats):
-                queued = []  # per GPU: host time its copies were queued from, start event, each H2D chunk's end event
-                for dev, host_up, host_down, dev_up, dev_down, up, down in bufs:
-                    torch.cuda.synchronize(dev)
-                    start_ev, ends = timing_event(), []
-                    with torch.cuda.device(dev):
-                        t_queue = time.perf_counter()
-                        start_ev.record(up)
-                        for _ in range(n_chunks):
-                            with torch.cuda.stream(up):
-                                dev_up.copy_(host_up, non_blocking=True)
-                                ends.append(timing_event())
-                                ends[-1].record(up)
-                            with torch.cuda.stream(down):
-                                host_down.copy_(dev_down, non_blocking=True)
-                    queued.append((t_queue, start_ev, ends))
+                queued = [c.queue(alone.median) for c in copies]
                 time.sleep(0.002)  # let the DMA engines get going before the CPU step starts
                 t0 = time.perf_counter()
                 bench.step()
                 t1 = time.perf_counter()
                 samples.append(t1 - t0)
-                for dev, *_ in bufs:
-                    torch.cuda.synchronize(dev)
-                # per direction, every GPU's H2D rate added up
-                rates.append(sum(n_chunks * chunk_bytes / (s.elapsed_time(ends[-1]) / 1e3) / 1e9
-                                 for _, s, ends in queued))
-                for t_queue, s, ends in queued:  # the GPU starts the copies as they are queued (it was idle)
-                    r = rate_under_load([s.elapsed_time(e) / 1e3 for e in ends], t0 - t_queue, t1 - t_queue)
+                h2d_ends = [q.chunk_ends()[0] for q in queued]
+                # every GPU's host-to-device rate added up
+                rates.append(sum(len(ends) * chunk_bytes / ends[-1] / 1e9 for ends in h2d_ends))
+                for q, ends in zip(queued, h2d_ends):
+                    r = rate_under_load(ends, t0 - q.t_queue, t1 - q.t_queue)
                     if r is not None:
                         ratios.append(r)
                 progress.advance()
     finally:
         bench.close()
-        del bufs
+        del copies
         torch.cuda.empty_cache()
     return ContentionProfile(elements=elements, threads=threads, alone_s=alone, with_dma_s=Stat.of(samples),
                              dma_gbps_during=round(upper_middle(rates), 2), gpus=len(devs),
