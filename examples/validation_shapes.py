@@ -50,7 +50,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   gpt2_0_76b without its swing and without a CPU lane were looked at since (docs/experiments.md, section 37), so they
   are seen now; nothing in the model has been changed for them;
 * the twentieth (gpt2_1_07b, llama_1_31b), added before any run of them, at 1.1-1.3B, back in the middle of the range
-  after four sets under 1B.
+  after four sets under 1B; validated with the model of the fourteenth set (results/h100/heldout-20/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
