@@ -50,7 +50,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   gpt2_0_76b without its swing and without a CPU lane were looked at since (docs/experiments.md, section 37), so they
   are seen now; nothing in the model has been changed for them;
 * the twentieth (gpt2_1_07b, llama_1_31b), added before any run of them, at 1.1-1.3B, back in the middle of the range
-  after four sets under 1B; validated with the model of the fourteenth set (results/h100/heldout-20/).
+  after four sets under 1B; validated with the model of the fourteenth set (results/h100/heldout-20/);
+* the twenty-first (gpt2_0_96b, llama_1_13b), added before any run of them, at about 1B; llama_1_13b with grouped
+  attention (6 key-value heads of 18).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -174,6 +176,10 @@ SHAPES = {
     # the twentieth set
     "gpt2_1_07b": DecoderConfig("gpt2", layers=22, hidden=1920, heads=24, vocab=50304, max_positions=1024),
     "llama_1_31b": DecoderConfig("llama", layers=17, hidden=2368, heads=37, vocab=32000, max_positions=2048, ffn=6400),
+    # the twenty-first set
+    "gpt2_0_96b": DecoderConfig("gpt2", layers=21, hidden=1856, heads=16, vocab=50304, max_positions=1024),
+    "llama_1_13b": DecoderConfig("llama", layers=17, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6272,
+                                 kv_heads=6),
 }
 
 
