@@ -24,7 +24,6 @@ class QueuedCopies:
 
     device: torch.device
     t_queue: float  # perf_counter just before the queue's start events (the GPU was idle: copies start as queued)
-    chunk_bytes: int
     _starts: tuple[torch.cuda.Event, torch.cuda.Event]
     _ends: tuple[list[torch.cuda.Event], list[torch.cuda.Event]]
 
@@ -73,4 +72,4 @@ class DuplexCopies:
                     self.host_down[chunk].copy_(self.dev_down, non_blocking=True)
                     ends[1].append(event())
                     ends[1][-1].record(self.down)
-        return QueuedCopies(self.device, t_queue, self.chunk_bytes, starts, ends)
+        return QueuedCopies(self.device, t_queue, starts, ends)
