@@ -53,7 +53,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   after four sets under 1B; validated with the model of the fourteenth set (results/h100/heldout-20/);
 * the twenty-first (gpt2_0_96b, llama_1_13b), added before any run of them, at about 1B; llama_1_13b with grouped
   attention (6 key-value heads of 18). gpt2_0_96b validated with the model of the fourteenth set
-  (results/h100/heldout-21/); llama_1_13b has not run.
+  (results/h100/heldout-21/); llama_1_13b has not run;
+* the twenty-second (gpt2_1_26b, llama_1_42b), added before any run of them, at 1.2-1.5B.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -181,6 +182,10 @@ SHAPES = {
     "gpt2_0_96b": DecoderConfig("gpt2", layers=21, hidden=1856, heads=16, vocab=50304, max_positions=1024),
     "llama_1_13b": DecoderConfig("llama", layers=17, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6272,
                                  kv_heads=6),
+    # the twenty-second set
+    "gpt2_1_26b": DecoderConfig("gpt2", layers=19, hidden=2240, heads=35, vocab=50304, max_positions=1024),
+    "llama_1_42b": DecoderConfig("llama", layers=19, hidden=2496, heads=39, vocab=32000, max_positions=2048, ffn=6656,
+                                 kv_heads=13),
 }
 
 
