@@ -52,9 +52,10 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the twentieth (gpt2_1_07b, llama_1_31b), added before any run of them, at 1.1-1.3B, back in the middle of the range
   after four sets under 1B; validated with the model of the fourteenth set (results/h100/heldout-20/);
 * the twenty-first (gpt2_0_96b, llama_1_13b), added before any run of them, at about 1B; llama_1_13b with grouped
-  attention (6 key-value heads of 18). gpt2_0_96b validated with the model of the fourteenth set
-  (results/h100/heldout-21/); llama_1_13b has not run;
-* the twenty-second (gpt2_1_26b, llama_1_42b), added before any run of them, at 1.2-1.5B.
+  attention (6 key-value heads of 18); both validated with the model of the fourteenth set
+  (results/h100/heldout-21/), llama_1_13b on another machine;
+* the twenty-second (gpt2_1_26b, llama_1_42b), added before any run of them, at 1.2-1.5B; validated with the model of
+  the fourteenth set (results/h100/heldout-22/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
