@@ -55,7 +55,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   attention (6 key-value heads of 18); both validated with the model of the fourteenth set
   (results/h100/heldout-21/), llama_1_13b on another machine;
 * the twenty-second (gpt2_1_26b, llama_1_42b), added before any run of them, at 1.2-1.5B; validated with the model of
-  the fourteenth set (results/h100/heldout-22/).
+  the fourteenth set (results/h100/heldout-22/). Their traces and those of the twenty-first set were looked at since,
+  with every held-out set's (docs/experiments.md, section 39), so they are seen now; nothing in the model has been
+  changed for them.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
