@@ -57,7 +57,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the twenty-second (gpt2_1_26b, llama_1_42b), added before any run of them, at 1.2-1.5B; validated with the model of
   the fourteenth set (results/h100/heldout-22/). Their traces and those of the twenty-first set were looked at since,
   with every held-out set's (docs/experiments.md, section 39), so they are seen now; nothing in the model has been
-  changed for them.
+  changed for them;
+* the twenty-third (gpt2_0_93b, llama_0_97b, gpt2_1_25b), added before any run of them, at 0.9-1.3B, for the model
+  that takes the CPU lane's rates from the model profile's lane reference (model profile schema 11).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -189,6 +191,11 @@ SHAPES = {
     "gpt2_1_26b": DecoderConfig("gpt2", layers=19, hidden=2240, heads=35, vocab=50304, max_positions=1024),
     "llama_1_42b": DecoderConfig("llama", layers=19, hidden=2496, heads=39, vocab=32000, max_positions=2048, ffn=6656,
                                  kv_heads=13),
+    # the twenty-third set
+    "gpt2_0_93b": DecoderConfig("gpt2", layers=30, hidden=1536, heads=24, vocab=50304, max_positions=1024),
+    "llama_0_97b": DecoderConfig("llama", layers=16, hidden=2240, heads=35, vocab=32000, max_positions=2048, ffn=6016,
+                                 kv_heads=5),
+    "gpt2_1_25b": DecoderConfig("gpt2", layers=20, hidden=2176, heads=34, vocab=50304, max_positions=1024),
 }
 
 
