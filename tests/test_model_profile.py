@@ -74,9 +74,8 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 11 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 10 and prof.offload_pin_memory is True and prof.offload_pinned
     assert prof.step_lane is None  # v10: measured beside copies, so only on a GPU (tests/test_profile_gpu.py)
-    assert prof.lane_reference is None  # v11: on a GPU by default
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
     # v6: the first timed iteration and the first round of probes were stolen from (the fixture's host): each was set

@@ -294,26 +294,6 @@ def run_method_here(name: str, spec: ModelSpec, opts: BenchOptions, offload: Off
         free_engine_memory()
 
 
-def schedule_run(model: str, micro_batch: int, seq: int, precision: str, iters: int, warmup: int, rounds: int,
-                 activation_checkpointing: bool, ds_sub_group_size: int) -> BenchOptions:
-    """How a schedule is measured to be set against the performance model (`tune --validate`'s rows, the model
-    profile's lane reference): with gradient clipping off, as the model predicts a step that does not clip (with
-    clipping, a step that clips redoes the CPU lane's updates made during backward, and a freshly initialised model
-    clips every step); ZeRO-Offload, where it runs, at the model profile's sub_group_size."""
-    opts = BenchOptions(model=model, micro_batch=micro_batch, seq=seq, precision=precision, iters=iters,
-                        warmup=warmup, rounds=rounds, clip=0.0, sub_group_size=ds_sub_group_size)
-    opts.train = replace(opts.train, micro_batch=micro_batch, precision=precision, clip=0.0,
-                         activation_checkpointing=activation_checkpointing)
-    return opts
-
-
-def schedule_offload(schedule: ScheduleConfig, sub_group_size: int) -> OffloadSettings:
-    """A dostune schedule's offload settings as measured against the model: its lanes traced (the timeline the
-    predicted spans are set beside), DeepSpeed's own buffers pageable (dostune pins what it streams itself)."""
-    return OffloadSettings(sub_group_size=sub_group_size, pin_memory=False,
-                           schedule=schedule.model_copy(update={"trace": True}))
-
-
 def train_settings(opts: BenchOptions) -> TrainSettings:
     return replace(opts.train, micro_batch=opts.micro_batch, precision=opts.precision, clip=opts.clip,
                    activation_checkpointing=opts.activation_checkpointing)

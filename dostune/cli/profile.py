@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
-from ..profile.identity import cuda_available, gpu_info
+from ..profile.identity import gpu_info
 from ..profile.node import NodeProfileOptions, default_name, measure_node
 from ..profile.record import node_profile_schema
 from ..records import check_writable, save_record
@@ -71,12 +71,6 @@ def profile(
                                                   "this many seconds, so that a few slow seconds of the host do not "
                                                   "set the prediction. Default: 60 on a GPU, 0 (--iters rounds in a "
                                                   "row) without one."),
-    lane_reference: Optional[bool] = typer.Option(None, "--lane-reference/--no-lane-reference", help="With --model: "
-                                                  "also run dostune itself on the model with one fixed schedule (2 "
-                                                  "rounds of 6 iterations, each a fresh process, about a minute), its "
-                                                  "CPU lane traced; the performance model takes the lane's rates "
-                                                  "from it (docs/performance-model.md). Default: on a GPU, in a world "
-                                                  "of one."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
                                           "checkpoint every transformer block (recompute its activations "
@@ -100,8 +94,7 @@ def profile(
     subgroup's gradients become final in backward, and PCIe traffic per phase; then backward's probes (without
     the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds (a
     minute on a GPU), so that a few slow seconds of the host do not set the prediction; last, on a GPU, the CPU
-    lane as the step runs it (from memory, alone and beside copies both ways; a few seconds), and dostune itself with
-    one fixed schedule, its CPU lane traced (--lane-reference; about a minute). It is written to its own
+    lane as the step runs it (from memory, alone and beside copies both ways; a few seconds). It is written to its own
     file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node. For several GPUs or nodes run it under
     DeepSpeed's launcher, as training will run (default name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
       deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b --name mynode
@@ -115,7 +108,7 @@ def profile(
         return
     if model is not None:
         _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, name, output, plot, force, json_out,
-                       activation_checkpointing, probe_seconds, lane_reference)
+                       activation_checkpointing, probe_seconds)
         return
     opts = NodeProfileOptions.tiny() if quick else NodeProfileOptions()
     opts.name, opts.repeats, opts.device, opts.half_dtype = name, repeats if not quick else 2, device, dtype
@@ -161,11 +154,10 @@ def render_model_profile(p) -> Table:
 
 
 def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, output, plot, force, json_out,
-                   activation_checkpointing=False, probe_seconds=None, lane_reference=None):
+                   activation_checkpointing=False, probe_seconds=None):
     from ..models.registry import resolve_model
     from ..perfmodel.world import World, rank
     from ..profile.timing import NullProgress
-    from ..profile.lane_reference import measure_lane_reference
     from ..profile.model import ModelProfileOptions, measure_model, model_profile_name, plot_memory_timeline
 
     opts = ModelProfileOptions(model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
@@ -188,20 +180,10 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
     if plot is not None:
         check_writable(plot, "--plot")
     need_deepspeed("dostune profile --model")
-    world = World.of_run()
-    if lane_reference is None:
-        lane_reference = cuda_available() and world.size == 1
-    elif lane_reference and world.size > 1:
-        raise DostuneError("--lane-reference runs dostune in fresh processes of its own, which a rank of the "
-                           "launcher's world cannot", hint="leave out --lane-reference under the launcher")
     # under the launcher rank 0 alone shows progress
     shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
     with shown as progress, quiet_stdout():
         prof = measure_model(opts, progress)
-        if lane_reference:
-            ref, note = measure_lane_reference(model, micro_batch, seq, dtype, activation_checkpointing,
-                                               sub_group_size, progress)
-            prof = prof.model_copy(update={"lane_reference": ref, "notes": prof.notes + ([note] if note else [])})
     if rank() != 0:  # under the launcher every rank measured; rank 0 writes what they measured together
         return
     save_record(prof, path)
@@ -213,8 +195,6 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
                       + (f"{min(ready):.3f} and {max(ready):.3f} s into backward" if ready else "(not recorded)"))
     if prof.step_lane is not None:
         err_console.print(prof.step_lane.describe())
-    if prof.lane_reference is not None:
-        err_console.print(prof.lane_reference.describe())
     for note in prof.notes:
         err_console.print(f"[yellow]note:[/] {note}")
     if plot is not None:

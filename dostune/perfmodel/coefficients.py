@@ -51,10 +51,6 @@ class StepShape:
     # (slowdown, combined GB/s): how much slower the lane ran in the step beside copies both ways at that traffic, from
     # the model profile's step-lane probe; None: the step's lane takes the node's contention (DeepSpeed's CPU Adam)
     lane_step_contention: Optional[tuple[float, float]] = None
-    # whether the lane's rates above come from a traced run of training (the model profile's lane reference,
-    # lane_reference.py), and the step is timed as the traces show (model.py simulate_step): with the probes' rates
-    # that timing loses, so a profile without the reference keeps the probes' timing (docs/experiments.md, 39-40)
-    traced_timing: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import ProfileError
-from ..profile.model_record import LaneReference, ModelProfile
+from ..profile.model_record import ModelProfile
 from ..profile.record import LinearCost, NodeProfile, Series
 from ..profile.step_parts import prologue_shares
 
@@ -171,7 +171,6 @@ class ModelInputs(BaseModel):
     step_shares: Optional[tuple[float, float]] = None  # (prologue, parameter release) shares of the step overhead
     ds_cpu_adam: Optional[Series] = None  # DeepSpeedCPUAdam per subgroup as ZeRO-Offload's step ran it
     ds_unscale: Optional[Series] = None  # its gradient unscale per subgroup
-    lane_reference: Optional[LaneReference] = None  # dostune run with one schedule, its CPU lane traced (schema 11)
 
     @classmethod
     def from_profile(cls, m: ModelProfile) -> "ModelInputs":
@@ -199,7 +198,7 @@ class ModelInputs(BaseModel):
                    lane_step_copies_slowdown=step_lane.copies_slowdown if step_lane is not None else None,
                    lane_step_copies_gbps=step_lane.h2d_gbps + step_lane.d2h_gbps if step_lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
-                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale, lane_reference=m.lane_reference)
+                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
 
     @property
     def offload_peak_gib(self) -> Optional[float]:

@@ -38,7 +38,6 @@ class StepPrediction:
     lanes_s: float  # from the first lane operation to the last
     overhead_s: float  # DeepSpeed's step prologue and epilogue (coefficients.ds_step_overhead)
     spans: list[SimSpan] = field(default_factory=list)
-    backward_end_s: float = 0.0  # where backward ends: 0, or the step's start (-prologue) in the traced timing
     cpu_busy_s: float = 0.0
     h2d_busy_s: float = 0.0
     d2h_busy_s: float = 0.0
@@ -65,12 +64,6 @@ def _advance(t: float, work: float, segments: Sequence[tuple[float, float, float
         work -= span
         t = b
     return t + work
-
-
-def _copy_end(start: float, cost, nbytes: float, slowed: Sequence[tuple[float, float, float]]) -> float:
-    """When a copy of ``nbytes`` started at ``start`` ends: its fixed cost, then its bytes at ``cost``'s rate, slowed
-    inside the ``slowed`` segments as CPU work is in ``_advance``."""
-    return _advance(start + cost.overhead_s, nbytes / cost.rate, slowed)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -156,56 +149,44 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     up_bytes = 4 if sched.upload == "gpu_convert" else 2
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
+    # Host-to-device copies read host memory, which the CPU lane streams through while it computes: with a CPU lane
+    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on two H100 hosts a step's GPU-lane
+    # inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU.
+    under_cpu = inp.h2d_under_cpu if cpu else 1.0
+    h2d_alone, h2d_duplex = inp.h2d.at_rate(under_cpu), inp.h2d_duplex.at_rate(under_cpu)
     bwd = backward_s if overlap else 0.0
     prologue = shape.prologue_share * overhead_s
     release = min(shape.release_share, shape.prologue_share) * overhead_s
-    # Where backward ends and the step starts. The probes' timing ends backward at time 0, the prologue's end; traced,
-    # the CPU lane runs straight on through DeepSpeed's prologue at its backward pace (docs/experiments.md, section
-    # 39), so the traced timing ends backward at the step's start.
-    traced = shape.traced_timing and overlap
-    bwd_end = -prologue if traced else 0.0
 
-    def gpu_lane(h2d_slowed: list[tuple[float, float, float]]) -> tuple[list[SimSpan], float, float]:
-        """The GPU lane's spans, independent of the CPU lane except through the copy engines' queues and the
-        host-to-device copies slowed in ``h2d_slowed``; and when its last input is in and its last write-back out."""
-        spans: list[SimSpan] = []
-        comp_free = d2h_free = -release
-        for i in plan.resident:  # nothing to copy: their kernels go first
-            t = inp.gpu_adam.t(sizes[i])
-            spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
-            comp_free += t
-        h2d_free = -prologue
-        d2h_end: list[float] = []
-        streamed = [gs.subgroup for gs in plan.gpu_slots]
-        for n, i in enumerate(streamed):
-            s = sizes[i]
-            ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
-            start = max(h2d_free, ready, -prologue)
-            rate = inp.h2d_duplex if n > 0 else inp.h2d  # the previous subgroup's write-back runs alongside
-            end = _copy_end(start, rate, in_bytes * s, h2d_slowed)
-            if end > start:
-                spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
-            h2d_free = end
-            c0 = max(end, comp_free, -release)
-            comp_free = c0 + inp.gpu_adam.t(s)
-            spans.append(SimSpan("gpu", i, c0, comp_free))
-            d0 = max(comp_free, d2h_free)
-            last = n == len(streamed) - 1
-            rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
-            d2h_free = d0 + rate.t(STATE_BYTES * s)
-            d2h_end.append(d2h_free)
-            spans.append(SimSpan("d2h", i, d0, d2h_free, STATE_BYTES * s / (d2h_free - d0) / 1e9))
-        return spans, h2d_free, d2h_free
-
-    # Host-to-device copies read host memory, which the CPU lane streams through while it computes: they run at the
-    # rate the node profile measured under CPU Adam (h2d_under_cpu) where the lane computes; on two H100 hosts a step's
-    # GPU-lane inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU. The
-    # probes' timing slows them throughout a step that has a CPU lane; the traced timing only where the simulated
-    # lane computes beside them (traced, 1.06x the profile's duplex rate with no lane update beside, 0.78x with one
-    # throughout; section 39), worked out with the CPU lane below.
-    h2d_slowdown = 1.0 / inp.h2d_under_cpu if cpu else 1.0
-    h2d_slowed = [(-float("inf"), float("inf"), h2d_slowdown)] if h2d_slowdown != 1.0 else []
-    spans, gpu_h2d_done, d2h_free = gpu_lane(h2d_slowed)
+    # GPU lane: independent of the CPU lane except through the copy engines' queues.
+    spans: list[SimSpan] = []
+    comp_free = d2h_free = -release
+    for i in plan.resident:  # nothing to copy: their kernels go first
+        t = inp.gpu_adam.t(sizes[i])
+        spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
+        comp_free += t
+    h2d_free = -prologue
+    d2h_end: list[float] = []
+    streamed = [gs.subgroup for gs in plan.gpu_slots]
+    for n, i in enumerate(streamed):
+        s = sizes[i]
+        ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
+        start = max(h2d_free, ready, -prologue)
+        rate = h2d_duplex if n > 0 else h2d_alone  # the previous subgroup's write-back runs alongside
+        end = start + rate.t(in_bytes * s)
+        if end > start:
+            spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
+        h2d_free = end
+        c0 = max(end, comp_free, -release)
+        comp_free = c0 + inp.gpu_adam.t(s)
+        spans.append(SimSpan("gpu", i, c0, comp_free))
+        d0 = max(comp_free, d2h_free)
+        last = n == len(streamed) - 1
+        rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
+        d2h_free = d0 + rate.t(STATE_BYTES * s)
+        d2h_end.append(d2h_free)
+        spans.append(SimSpan("d2h", i, d0, d2h_free, STATE_BYTES * s / (d2h_free - d0) / 1e9))
+    gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
     if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
@@ -223,8 +204,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     bthreads = sched.backward_cpu_threads or max(1, (sched.cpu_threads or inp.default_threads) - 1)
     in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_per_element(bthreads) \
         / inp.cpu_lane_per_element(threads)
-    bwd_segment = [(bwd_end - bwd, 0.0, in_bwd)] if overlap else []
-    grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp, bwd_end) if overlap and grad_bytes else []
+    bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
+    grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if overlap and grad_bytes else []
     step_contention = shape.lane_step_contention if overlap else None
 
     def slowdowns_of(traffic: list[SimSpan]) -> list[tuple[float, float, float]]:
@@ -238,18 +219,14 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     slowdowns = slowdowns_of(spans + grad_spans)
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
-    for it in range(max(1, iterations)):
-        if it and traced and h2d_slowdown != 1.0:  # the GPU lane's inputs slowed where the last pass's lane computed
-            h2d_slowed = [(a, b, h2d_slowdown) for a, b in _union([(x.start, x.end) for x in cpu_spans])]
-            spans, gpu_h2d_done, d2h_free = gpu_lane(h2d_slowed)
-            slowdowns = slowdowns_of(spans + grad_spans + up_spans)
-        t = bwd_end - bwd
+    for _ in range(max(1, iterations)):
+        t = -bwd
         cpu_spans, up_spans = [], []
-        free, free_bwd = gpu_h2d_done, bwd_end - bwd
+        free, free_bwd = gpu_h2d_done, -bwd
         for n, j in enumerate(cpu):
             s = sizes[j]
             if overlap:
-                t = max(t, bwd_end + bwd * (ready_fraction[j] - 1.0))
+                t = max(t, bwd * (ready_fraction[j] - 1.0))
             if ring and n >= ring:
                 t = max(t, up_spans[n - ring].end)
             work = step_factor * inp.cpu_lane_seconds(s, threads, "cpu_convert" if overlap else sched.upload)
@@ -258,13 +235,13 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             t = end
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
                 u0 = max(free_bwd, end)
-                u1 = _copy_end(u0, inp.h2d, up_bytes * s, h2d_slowed)
+                u1 = u0 + h2d_alone.t(up_bytes * s)
                 free_bwd = u1
                 up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9))
                 continue
             u0 = max(free, end)
-            rate = inp.h2d_duplex if u0 < d2h_free else inp.h2d
-            copy = _copy_end(u0, rate, up_bytes * s, h2d_slowed) - u0
+            rate = h2d_duplex if u0 < d2h_free else h2d_alone
+            copy = rate.t(up_bytes * s)
             u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
             up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
             free = u1
@@ -277,12 +254,11 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
                                              if x.lane in names and x.end > 0]))
 
     return StepPrediction(lanes_s=lanes_s, overhead_s=overhead_s, spans=sorted(spans, key=lambda x: x.start),
-                          backward_end_s=bwd_end,
                           cpu_busy_s=busy({"cpu"}), h2d_busy_s=busy({"h2d", "up"}), d2h_busy_s=busy({"d2h"}))
 
 
 def gradient_copy_spans(grad_bytes: Sequence[int], ready_fraction: Sequence[float], backward_s: float,
-                        inp: NodeInputs, backward_end_s: float = 0.0) -> list[SimSpan]:
+                        inp: NodeInputs) -> list[SimSpan]:
     """Backward's gradient copies to the host as traffic spans before 0: a subgroup's bytes stream between the moment
     the subgroup finalised before it did (backward's start for the first) and its own, never faster than the node's
     device-to-host rate. On the H100 host dostune's CPU-lane kernel ran 1.37x slower beside a device-to-host stream
@@ -292,9 +268,8 @@ def gradient_copy_spans(grad_bytes: Sequence[int], ready_fraction: Sequence[floa
     for j in order:
         ready = min(1.0, max(0.0, ready_fraction[j]))
         if grad_bytes[j] > 0:
-            end = backward_end_s + backward_s * (ready - 1.0)
-            start = max(backward_end_s - backward_s,
-                        min(backward_end_s + backward_s * (prev - 1.0), end - inp.d2h.t(grad_bytes[j])))
+            end = backward_s * (ready - 1.0)
+            start = max(-backward_s, min(backward_s * (prev - 1.0), end - inp.d2h.t(grad_bytes[j])))
             if end > start:
                 spans.append(SimSpan("grad", j, start, end, grad_bytes[j] / (end - start) / 1e9))
         prev = max(prev, ready)
@@ -378,9 +353,8 @@ class Prediction:
 
 
 def lane_busy_in_backward(step: StepPrediction, backward_s: float) -> float:
-    """How long the CPU lane worked between backward's start and its end (``step.backward_end_s``)."""
-    end = step.backward_end_s
-    return sum(max(0.0, min(x.end, end) - max(x.start, end - backward_s)) for x in step.spans if x.lane == "cpu")
+    """How long the CPU lane worked between backward's start (-backward_s) and its end (0)."""
+    return sum(max(0.0, min(x.end, 0.0) - max(x.start, -backward_s)) for x in step.spans if x.lane == "cpu")
 
 
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, coeffs: Coefficients, m: ModelInputs,

@@ -13,7 +13,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..stats import Stat
-from ..records import Record, SetAside, Span, load_record
+from ..records import Record, SetAside, load_record
 from .record import Series
 
 # 2: world and ranks (a profile measured under DeepSpeed's launcher). Version 1 profiles still load (one rank).
@@ -33,10 +33,8 @@ from .record import Series
 # 29); such profiles are not read.
 # 10: step_lane (the CPU lane as the step runs it: from memory, alone and beside page-locked copies both ways; on a
 # GPU). Older profiles load with none: the model takes the step's lane from the backward probes' reading then.
-# 11: lane_reference (dostune itself run on the model with one fixed schedule, its CPU lane traced; on a GPU in a world
-# of one). Older profiles load with none: the model then takes the lane's rates from the probes, and their timing.
-MODEL_SCHEMA_VERSION = 11
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11)
+MODEL_SCHEMA_VERSION = 10
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -141,31 +139,6 @@ class ProbeRound(Record):
     lane_update_s: Optional[float] = None  # the median lane update inside that backward
 
 
-class LaneReference(Record):
-    """dostune's own optimizer run on the model with one fixed schedule, as `dostune tune --validate` runs a row,
-    its CPU lane traced (lane_reference.py): the lane's rates as training runs them, which the performance model takes
-    instead of the probes' (perfmodel/lane_reference.py)."""
-
-    schedule: dict  # the dostune section it ran
-    sub_group_size: int = Field(gt=0)
-    rounds: int = Field(ge=1)  # each a fresh process
-    iterations: int = Field(ge=1)  # timed per round
-    # the CPU lane's spans of each round's last timed step, in seconds from the step's start (before 0: in backward)
-    traces: list[list[Span]]
-    bwd_s: Optional[Stat] = None  # every round's timed iterations pooled, for the record
-    step_s: Optional[Stat] = None
-
-    def describe(self) -> str:
-        """One line for the profile's summary."""
-        words = [f"{k} {v}" for k, v in self.schedule.items() if not isinstance(v, bool)]
-        words += [k for k, v in self.schedule.items() if v is True]
-        words.append(f"{self.sub_group_size / 1e6:g}M-element subgroups")
-        times = "".join(f", {name} {x.median:.3f} s" for name, x in (("backward", self.bwd_s), ("step", self.step_s))
-                        if x is not None)
-        return (f"lane reference: dostune with {', '.join(words)}, {self.rounds} rounds of {self.iterations} "
-                f"iterations{times} (medians); {sum(len(t) for t in self.traces)} CPU-lane updates traced")
-
-
 class WorldRecord(Record):
     """The world a model profile was measured in: one rank per GPU."""
 
@@ -242,7 +215,6 @@ class ModelProfile(Record):
     probe_forward_s: Optional[Stat] = None
     probe_rounds: list[ProbeRound] = Field(default_factory=list)
     step_lane: Optional[StepLaneProfile] = None  # v10, on a GPU (step_lane.py)
-    lane_reference: Optional[LaneReference] = None  # v11, on a GPU in a world of one (lane_reference.py)
     notes: list[str] = Field(default_factory=list)
 
     @property

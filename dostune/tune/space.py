@@ -12,7 +12,6 @@ from ..optim.footprint import STATE_BYTES
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for
 from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
-from ..perfmodel.lane_reference import with_lane_reference
 from ..perfmodel.memory import GiB, grad_alloc_fractions, grad_ready_fractions
 from ..perfmodel.model import Prediction, best_gpu_fraction, gpu_count_for_share, predict
 from ..perfmodel.subgroups import subgroup_sizes
@@ -62,18 +61,11 @@ class Space:
         self.threads = sorted(t for t in node.cpu_adam if t * 2 >= max(node.cpu_adam))
         self.budget_gib, self.max_peak_gib = budget_gib, max_peak_gib
         self.ds_sub_group_size = model.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE
+        # every coefficient of the model, from the two profiles (perfmodel/coefficients.py)
+        self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
+        self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
         self._profile_subgroups = profile_subgroups
         self._fractions: dict[int, tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]] = {}
-        # every coefficient of the model, from the two profiles (perfmodel/coefficients.py), the CPU lane's rates
-        # from the model profile's lane reference where it has one (perfmodel/lane_reference.py)
-        self.coeffs = Coefficients.of(node, model, self.sizes(self.ds_sub_group_size))
-        ref = model.lane_reference
-        if ref is not None and self.world_size == 1:  # the reference runs in a world of one, its subgroups those
-            sched = ScheduleConfig.model_validate(ref.schedule)
-            self.coeffs = with_lane_reference(self.coeffs, ref, lambda c: predict(
-                self.sizes(ref.sub_group_size), ref.sub_group_size, sched, c, model,
-                self.grad_alloc(ref.sub_group_size), self.grad_ready(ref.sub_group_size)))
-        self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
         if sub_group_size not in self._sizes:

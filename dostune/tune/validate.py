@@ -15,13 +15,12 @@ the schedule. The pooled measurements, each method's traced step included, are k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..bench.record import BenchResult, MethodResult
 from ..bench.pool import pool_rounds
-from ..bench.run import (BenchOptions, RoundProgress, bench_record, method_offload, run_method, schedule_offload,
-                         schedule_run)
+from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offload, run_method
 from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
@@ -79,8 +78,11 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
         host_available = available_host_bytes()
     progress = progress or NullProgress()
     spec = resolve_model(result.model)
-    opts = schedule_run(result.model, result.micro_batch, seq, result.precision, iters, warmup, rounds,
-                        activation_checkpointing, result.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE)
+    opts = BenchOptions(model=result.model, micro_batch=result.micro_batch, seq=seq, precision=result.precision,
+                        iters=iters, warmup=warmup, rounds=rounds, clip=0.0,
+                        sub_group_size=result.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE)
+    opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision, clip=0.0,
+                         activation_checkpointing=activation_checkpointing)
     # (label, method, offload settings, sub_group_size, schedule, prediction) of every method to measure
     jobs = []
     try:
@@ -93,7 +95,8 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
                      result.ds_offload))
     for k, rec in enumerate(result.top[:n]):
         sched = ScheduleConfig.model_validate(rec.schedule)
-        offload = schedule_offload(sched, rec.sub_group_size)
+        offload = OffloadSettings(sub_group_size=rec.sub_group_size, pin_memory=False,
+                                  schedule=sched.model_copy(update={"trace": True}))
         jobs.append((f"dostune #{k + 1}", "dostune", offload, rec.sub_group_size, rec.schedule, rec.predicted))
     runs: dict[str, list[MethodResult]] = {job[0]: [] for job in jobs}
     stopped, r = None, 0
