@@ -58,8 +58,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   the fourteenth set (results/h100/heldout-22/). Their traces and those of the twenty-first set were looked at since,
   with every held-out set's (docs/experiments.md, section 39), so they are seen now; nothing in the model has been
   changed for them;
-* the twenty-third (gpt2_0_93b, llama_0_97b, gpt2_1_25b), added before any run of them, at 0.9-1.3B, for the model
-  that takes the CPU lane's rates from the model profile's lane reference (model profile schema 11).
+* the twenty-third (gpt2_0_93b, llama_0_97b, gpt2_1_25b), added before any run of them, at 0.9-1.3B, for a model
+  that took the CPU lane's rates from a traced run of dostune in the model profile. It lost its A/B on them and was
+  taken out; their profiles were of the schema it added, so their files are not kept, and their traces were looked at
+  (docs/experiments.md, section 40), so they are seen now.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
