@@ -61,7 +61,10 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the twenty-third (gpt2_0_93b, llama_0_97b, gpt2_1_25b), added before any run of them, at 0.9-1.3B, for a model
   that took the CPU lane's rates from a traced run of dostune in the model profile. It lost its A/B on them and was
   taken out; their profiles were of the schema it added, so their files are not kept, and their traces were looked at
-  (docs/experiments.md, section 40), so they are seen now.
+  (docs/experiments.md, section 40), so they are seen now;
+* the twenty-fourth (gpt2_0_88b, llama_1_04b, gpt2_1_17b), added before any run of them, at 0.9-1.2B, for the model
+  of the fourteenth set with the CPU lane's kernel handing its blocks to free threads (892b747), which every profile
+  taken since reads (docs/experiments.md, section 41).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -198,6 +201,11 @@ SHAPES = {
     "llama_0_97b": DecoderConfig("llama", layers=16, hidden=2240, heads=35, vocab=32000, max_positions=2048, ffn=6016,
                                  kv_heads=5),
     "gpt2_1_25b": DecoderConfig("gpt2", layers=20, hidden=2176, heads=34, vocab=50304, max_positions=1024),
+    # the twenty-fourth set
+    "gpt2_0_88b": DecoderConfig("gpt2", layers=22, hidden=1728, heads=18, vocab=50304, max_positions=1024),
+    "llama_1_04b": DecoderConfig("llama", layers=20, hidden=2112, heads=33, vocab=32000, max_positions=2048, ffn=5632,
+                                 kv_heads=3),
+    "gpt2_1_17b": DecoderConfig("gpt2", layers=26, hidden=1856, heads=29, vocab=50304, max_positions=1024),
 }
 
 
