@@ -46,7 +46,9 @@ static inline float from_bf16(uint16_t h)
 /* Output with non-temporal stores: an out-of-place update writes 14 bytes per element that nothing reads soon;
  * ordinary stores first read each line into the cache (another 14 bytes of memory traffic) and push out what the
  * other threads use (during backward: the autograd thread's Python hooks). The block is computed into
- * thread-local buffers with the same arithmetic, then streamed out.
+ * thread-local buffers with the same arithmetic, then streamed out. On the H100 node the kernel ran at 3.6-4.1 G
+ * elements/s with streaming stores and 2.9-3.3 without; gpt2-1.3b on alternate iterations of one engine: backward
+ * 0.261 s and step 0.156 s with them, 0.272 and 0.161 s without.
  * The blocks go to the threads 16 at a time (32K elements), to whichever is free, rather than in equal shares fixed
  * up front: during backward the lane's threads share the cores with the autograd thread and backward's hooks, and
  * with fixed shares one thread the scheduler takes off its core holds up the whole call. Every element's arithmetic
@@ -111,12 +113,12 @@ static inline void stream_fence(void)
     static void NAME(const float *restrict p, const void *restrict g, const float *restrict m,         \
                      const float *restrict v, float *restrict po, float *restrict mo,                  \
                      float *restrict vo, void *restrict half, int64_t n, int64_t tail_start,           \
-                     float inv_scale, const dostune_adam_scalars *s, int threads, int nt)              \
+                     float inv_scale, const dostune_adam_scalars *s, int threads)                      \
     {                                                                                                  \
         const float beta1 = s->beta1, beta2 = s->beta2, b1m1 = s->b1m1, b2m1 = s->b2m1;               \
         const float bc2 = s->bc2, eps = s->eps, step_size = s->step_size, decay = s->decay;           \
         void *restrict hout = half;                                                                    \
-        if (nt) {                                                                                      \
+        {                                                                                              \
             const int64_t blocks = (tail_start + NT_BLOCK - 1) / NT_BLOCK;                             \
             _Pragma("omp parallel num_threads(threads)")                                               \
             {                                                                                          \
@@ -142,11 +144,6 @@ static inline void stream_fence(void)
                         stream_out((uint16_t *)half + i0, bh, (size_t)len * 2);                        \
                 }                                                                                      \
                 stream_fence();                                                                        \
-            }                                                                                          \
-        } else {                                                                                       \
-            _Pragma("omp parallel for simd num_threads(threads) schedule(static)")                     \
-            for (int64_t i = 0; i < tail_start; i++) {                                                 \
-                ADAM_BODY(L2, DW, HK, GK, __builtin_fmaf(gg, b1m1, m[i] * beta1), __builtin_fmaf(gg, b2m1, v[i] * beta2)) \
             }                                                                                          \
         }                                                                                              \
         for (int64_t i = tail_start; i < n; i++) {                                                     \
@@ -184,12 +181,12 @@ DEFINE_VARIANT(adam_0122, 0, 1, 2, 2)
 
 typedef void (*variant_fn)(const float *restrict, const void *restrict, const float *restrict,
                            const float *restrict, float *restrict, float *restrict, float *restrict,
-                           void *restrict, int64_t, int64_t, float, const dostune_adam_scalars *, int, int);
+                           void *restrict, int64_t, int64_t, float, const dostune_adam_scalars *, int);
 
 void dostune_adam_oop(const float *restrict p, const void *restrict g, int grad_kind, const float *restrict m,
                       const float *restrict v, float *restrict po, float *restrict mo, float *restrict vo,
                       void *restrict half, int half_kind, int64_t n, int64_t tail_start, float inv_scale,
-                      const dostune_adam_scalars *s, int threads, int nt)
+                      const dostune_adam_scalars *s, int threads)
 {
     static const variant_fn table[3][3][3] = {
         {{adam_0000, adam_0010, adam_0020}, {adam_1000, adam_1010, adam_1020}, {adam_0100, adam_0110, adam_0120}},
@@ -200,5 +197,5 @@ void dostune_adam_oop(const float *restrict p, const void *restrict g, int grad_
         return;
     if (tail_start > n)
         tail_start = n;
-    table[grad_kind][decay_kind][half_kind](p, g, m, v, po, mo, vo, half, n, tail_start, inv_scale, s, threads, nt);
+    table[grad_kind][decay_kind][half_kind](p, g, m, v, po, mo, vo, half, n, tail_start, inv_scale, s, threads);
 }

@@ -77,8 +77,7 @@ def load() -> ctypes.CDLL:
             f = lib.dostune_adam_oop
             f.restype = None
             f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + \
-                [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(_Scalars), ctypes.c_int,
-                 ctypes.c_int]
+                [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.POINTER(_Scalars), ctypes.c_int]
             _lib = lib
         return _lib
 
@@ -90,13 +89,12 @@ def _check(name: str, t: torch.Tensor, n: int, dtype=torch.float32) -> None:
 
 
 def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale: float = 1.0,
-                      half_out: Optional[torch.Tensor] = None, threads: Optional[int] = None,
-                      nontemporal: bool = False) -> None:
+                      half_out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> None:
     """One DeepSpeed-exact Adam step from (p, m, v) and gradient g into (p_out, m_out, v_out), as if
     ``g.mul_(inv_scale)`` and DeepSpeedCPUAdam had run in place on the whole tensor. ``g`` may be bf16 or fp16:
     it is widened exactly, as DeepSpeed's ``.to(float32)`` of the gradient is. ``half_out`` (bf16 or fp16)
-    receives the new params rounded to nearest even, as ``half.copy_(p_out)`` would. ``nontemporal``: write the
-    outputs with streaming stores, which bypass the caches (same values)."""
+    receives the new params rounded to nearest even, as ``half.copy_(p_out)`` would. The outputs are written with
+    streaming stores, which bypass the caches (cpu_adam_oop.c says why)."""
     n = p.numel()
     for name, t in (("p", p), ("m", m), ("v", v), ("p_out", p_out), ("m_out", m_out), ("v_out", v_out)):
         _check(name, t, n)
@@ -115,5 +113,5 @@ def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale
                             half_out.data_ptr() if half_out is not None else None,
                             _HALF_KIND[half_out.dtype if half_out is not None else None], n,
                             n - n % width if width else 0, float(inv_scale), ctypes.byref(sc),
-                            int(threads or torch.get_num_threads()), int(bool(nontemporal)))
+                            int(threads or torch.get_num_threads()))
 

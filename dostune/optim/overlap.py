@@ -275,12 +275,9 @@ class BackwardOverlap:
         rounded = io.half.dtype in (torch.bfloat16, torch.float16)
         half = self._half_buffer(k, n, io.half.dtype) if rounded else b.p
         t0 = time.perf_counter()
-        # Streaming (cache-bypassing) stores for the shadow buffers and half-precision results: on the H100 node the
-        # kernel ran at 3.6-4.1 G elements/s with them, 2.9-3.3 without; gpt2-1.3b on alternate iterations of one
-        # engine: backward 0.261 s / step 0.156 s with, 0.272 / 0.161 without.
         cpu_kernel.adam_out_of_place(io.param, io.grad, io.exp_avg, io.exp_avg_sq, b.p, b.m, b.v,
                                      self.scalars[i], inv_scale=inv, half_out=half if rounded else None,
-                                     threads=threads, nontemporal=True)
+                                     threads=threads)
         t1 = time.perf_counter()
         self._spans.append(("cpu", i, t0, t1))
         if not self.cuda:

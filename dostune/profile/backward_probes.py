@@ -105,7 +105,7 @@ class LaneLoad:
     def update(self) -> None:
         i, self._next = self._next, (self._next + 1) % self.subgroups
         self._kernel.adam_out_of_place(self.p[i], self.g[i], self.m[i], self.v[i], *self.out, self.scalars,
-                                       inv_scale=1.0, half_out=self.half, threads=self.threads, nontemporal=True)
+                                       inv_scale=1.0, half_out=self.half, threads=self.threads)
 
     def alone(self, repeats: int) -> Stat:
         return time_cpu(self.update, repeats)
