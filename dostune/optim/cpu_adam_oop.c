@@ -118,33 +118,31 @@ static inline void stream_fence(void)
         const float beta1 = s->beta1, beta2 = s->beta2, b1m1 = s->b1m1, b2m1 = s->b2m1;               \
         const float bc2 = s->bc2, eps = s->eps, step_size = s->step_size, decay = s->decay;           \
         void *restrict hout = half;                                                                    \
+        const int64_t blocks = (tail_start + NT_BLOCK - 1) / NT_BLOCK;                                 \
+        _Pragma("omp parallel num_threads(threads)")                                                   \
         {                                                                                              \
-            const int64_t blocks = (tail_start + NT_BLOCK - 1) / NT_BLOCK;                             \
-            _Pragma("omp parallel num_threads(threads)")                                               \
-            {                                                                                          \
-                float bp[NT_BLOCK] __attribute__((aligned(64)));                                       \
-                float bm[NT_BLOCK] __attribute__((aligned(64)));                                       \
-                float bv[NT_BLOCK] __attribute__((aligned(64)));                                       \
-                uint16_t bh[NT_BLOCK] __attribute__((aligned(64)));                                    \
-                _Pragma("omp for schedule(dynamic, 16)")                                               \
-                for (int64_t b = 0; b < blocks; b++) {                                                 \
-                    const int64_t i0 = b * NT_BLOCK;                                                   \
-                    const int64_t len = tail_start - i0 < NT_BLOCK ? tail_start - i0 : NT_BLOCK;       \
-                    void *restrict hout = bh;                                                          \
-                    _Pragma("omp simd")                                                                \
-                    for (int64_t j = 0; j < len; j++) {                                                \
-                        const int64_t i = i0 + j;                                                      \
-                        ADAM_BODY_TO(L2, DW, HK, GK, __builtin_fmaf(gg, b1m1, m[i] * beta1),           \
-                                     __builtin_fmaf(gg, b2m1, v[i] * beta2), bp[j], bm[j], bv[j], j)  \
-                    }                                                                                  \
-                    stream_out(po + i0, bp, (size_t)len * 4);                                          \
-                    stream_out(mo + i0, bm, (size_t)len * 4);                                          \
-                    stream_out(vo + i0, bv, (size_t)len * 4);                                          \
-                    if (HK)                                                                            \
-                        stream_out((uint16_t *)half + i0, bh, (size_t)len * 2);                        \
+            float bp[NT_BLOCK] __attribute__((aligned(64)));                                           \
+            float bm[NT_BLOCK] __attribute__((aligned(64)));                                           \
+            float bv[NT_BLOCK] __attribute__((aligned(64)));                                           \
+            uint16_t bh[NT_BLOCK] __attribute__((aligned(64)));                                        \
+            _Pragma("omp for schedule(dynamic, 16)")                                                   \
+            for (int64_t b = 0; b < blocks; b++) {                                                     \
+                const int64_t i0 = b * NT_BLOCK;                                                       \
+                const int64_t len = tail_start - i0 < NT_BLOCK ? tail_start - i0 : NT_BLOCK;           \
+                void *restrict hout = bh;                                                              \
+                _Pragma("omp simd")                                                                    \
+                for (int64_t j = 0; j < len; j++) {                                                    \
+                    const int64_t i = i0 + j;                                                          \
+                    ADAM_BODY_TO(L2, DW, HK, GK, __builtin_fmaf(gg, b1m1, m[i] * beta1),               \
+                                 __builtin_fmaf(gg, b2m1, v[i] * beta2), bp[j], bm[j], bv[j], j)      \
                 }                                                                                      \
-                stream_fence();                                                                        \
+                stream_out(po + i0, bp, (size_t)len * 4);                                              \
+                stream_out(mo + i0, bm, (size_t)len * 4);                                              \
+                stream_out(vo + i0, bv, (size_t)len * 4);                                              \
+                if (HK)                                                                                \
+                    stream_out((uint16_t *)half + i0, bh, (size_t)len * 2);                            \
             }                                                                                          \
+            stream_fence();                                                                            \
         }                                                                                              \
         for (int64_t i = tail_start; i < n; i++) {                                                     \
             ADAM_BODY(L2, DW, HK, GK, __builtin_fmaf(m[i], beta1, gg * b1m1), __builtin_fmaf(v[i], beta2, gg * b2m1)) \
