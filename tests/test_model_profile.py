@@ -96,8 +96,10 @@ def test_schema_3_measures_the_models_coefficients(prof):
     lane = prof.backward_lane
     assert lane.threads >= 1 and lane.elements == 65_536 and lane.lane_beside_s.n >= 1
     assert lane.lane_alone_s.median > 0 and lane.backward_s.n == len(rounds)
+    # the lane alone in the main thread: every burst's updates after its untimed first (--iters of them per burst)
+    from dostune.profile.backward_probes import LANE_ALONE_BURSTS, LANE_THREAD_UPDATES
+    assert lane.lane_alone_s.n == LANE_ALONE_BURSTS * 2
     # v7: the lane alone timed in its own thread too, every update after the untimed first
-    from dostune.profile.backward_probes import LANE_THREAD_UPDATES
     assert lane.lane_alone_thread_s.n == LANE_THREAD_UPDATES and lane.lane_alone_thread_s.median > 0
     assert set(PROLOGUE) | {"_post_step", "engine"} <= set(prof.step_parts_s)
     assert all(v >= 0 for v in prof.step_parts_s.values())

@@ -29,7 +29,7 @@ from ..host_steal import QuietRuns
 from ..records import SetAside
 from ..stats import Stat
 from .model_record import BackwardLaneProfile, PinnedCopyProfile, ProbeRound
-from .timing import NullProgress, ProgressSink, time_cpu
+from .timing import NullProgress, ProgressSink, cpu_samples
 
 
 def drop_gradient_copies(opt) -> Callable:
@@ -67,6 +67,17 @@ def copy_gradients_pinned(opt, scratch: torch.Tensor) -> Callable:
 # updates timed by LaneLoad.alone_in_thread: a 10M-element update took 2-9 ms on the H100 hosts, so 50 cost under half
 # a second
 LANE_THREAD_UPDATES = 50
+
+# LaneLoad.alone: bursts of updates, each burst an untimed update and the profile's repeats, a pause between them. On
+# an H100 host (16 vCPUs, 15 lane threads) one burst of five read 1.8x its usual time or more in 21 of 294 tries:
+# stretches of up to 12 updates in a row ran 9 ms each instead of about 2.6, after a torch operation, a GPU backward,
+# a page-locked allocation or a pause (never in 138 tries right after another burst), and a model profile that reads
+# its lane that slow sends the lane's work in backward to the step (docs/experiments.md, sections 19 and 42). Five
+# bursts pooled read that slow in 1 of 58.
+# The pause keeps each burst's start as a single burst's was (the first updates after an idle spell run slower), so
+# the usual reading stays what the model was validated with.
+LANE_ALONE_BURSTS = 5
+LANE_ALONE_PAUSE_S = 0.1
 
 
 class LaneLoad:
@@ -107,8 +118,15 @@ class LaneLoad:
         self._kernel.adam_out_of_place(self.p[i], self.g[i], self.m[i], self.v[i], *self.out, self.scalars,
                                        inv_scale=1.0, half_out=self.half, threads=self.threads)
 
-    def alone(self, repeats: int) -> Stat:
-        return time_cpu(self.update, repeats)
+    def alone(self, repeats: int, bursts: int = LANE_ALONE_BURSTS, pause_s: float = LANE_ALONE_PAUSE_S) -> Stat:
+        """``bursts`` of ``repeats`` updates timed in this thread with nothing else running, each after an untimed
+        one and ``pause_s`` after the last burst: one Stat over all of them, so one slow stretch cannot set it."""
+        samples: list[float] = []
+        for b in range(bursts):
+            if b:
+                time.sleep(pause_s)
+            samples += cpu_samples(self.update, repeats)
+        return Stat.of(samples)
 
     def alone_in_thread(self, updates: int) -> Stat:
         """``updates`` updates with nothing else running, timed in the worker thread under the lane's GIL switch

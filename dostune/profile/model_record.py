@@ -80,7 +80,7 @@ class BackwardLaneProfile(Record):
 
     threads: int = Field(ge=1)  # the lane's OpenMP threads (the CPU lane's default during backward)
     elements: int = Field(gt=0)  # one update of the scratch subgroup
-    lane_alone_s: Stat  # one update, nothing else running
+    lane_alone_s: Stat  # one update, nothing else running (in bursts: profile/backward_probes.LaneLoad.alone)
     # v7: the same, timed in the worker thread under the lane's GIL switch interval while the main thread waits (not
     # read by the model: docs/experiments.md, section 19)
     lane_alone_thread_s: Optional[Stat] = None

@@ -36,8 +36,9 @@ class LineProgress:
         pass
 
 
-def time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1,
-             progress: Optional[ProgressSink] = None) -> Stat:
+def cpu_samples(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                progress: Optional[ProgressSink] = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` on the host clock, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -47,7 +48,12 @@ def time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1,
         samples.append(time.perf_counter() - t0)
         if progress:
             progress.advance()
-    return Stat.of(samples)
+    return samples
+
+
+def time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1,
+             progress: Optional[ProgressSink] = None) -> Stat:
+    return Stat.of(cpu_samples(fn, repeats, warmup, progress))
 
 
 def sync_device() -> None:
