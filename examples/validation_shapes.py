@@ -64,7 +64,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   (docs/experiments.md, section 40), so they are seen now;
 * the twenty-fourth (gpt2_0_88b, llama_1_04b, gpt2_1_17b), added before any run of them, at 0.9-1.2B, for the model
   of the fourteenth set with the CPU lane's kernel handing its blocks to free threads (892b747), which every profile
-  taken since reads (docs/experiments.md, section 41).
+  taken since reads (docs/experiments.md, section 41);
+* the twenty-fifth (gpt2_1_05b, llama_1_01b), added before any run of them, at 1.0-1.1B, for the model of the
+  fourteenth set with the lane's main-thread reading alone taken in five bursts (docs/experiments.md, section 42).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -206,6 +208,10 @@ SHAPES = {
     "llama_1_04b": DecoderConfig("llama", layers=20, hidden=2112, heads=33, vocab=32000, max_positions=2048, ffn=5632,
                                  kv_heads=3),
     "gpt2_1_17b": DecoderConfig("gpt2", layers=26, hidden=1856, heads=29, vocab=50304, max_positions=1024),
+    # the twenty-fifth set
+    "gpt2_1_05b": DecoderConfig("gpt2", layers=20, hidden=1984, heads=31, vocab=50304, max_positions=1024),
+    "llama_1_01b": DecoderConfig("llama", layers=18, hidden=2176, heads=34, vocab=32000, max_positions=2048, ffn=5888,
+                                 kv_heads=2),
 }
 
 
