@@ -69,13 +69,13 @@ def copy_gradients_pinned(opt, scratch: torch.Tensor) -> Callable:
 LANE_THREAD_UPDATES = 50
 
 # LaneLoad.alone: bursts of updates, each burst an untimed update and the profile's repeats, a pause between them. On
-# an H100 host (16 vCPUs, 15 lane threads) one burst of five read 1.8x its usual time or more in 21 of 294 tries:
-# stretches of up to 12 updates in a row ran 9 ms each instead of about 2.6, after a torch operation, a GPU backward,
-# a page-locked allocation or a pause (never in 138 tries right after another burst), and a model profile that reads
-# its lane that slow sends the lane's work in backward to the step (docs/experiments.md, sections 19 and 42). Five
-# bursts pooled read that slow in 1 of 58.
-# The pause keeps each burst's start as a single burst's was (the first updates after an idle spell run slower), so
-# the usual reading stays what the model was validated with.
+# an H100 host (16 vCPUs, 15 lane threads) the median of one burst of five came out 1.8x its usual 2.2-2.6 ms or more
+# in 44 of 964 tries, after a torch operation, a GPU backward, a page-locked allocation or a pause (none of the 138
+# taken right after another burst), 32 of them at 9.0 ms, and in 21 of 294 bursts after a pause, whose slow updates came
+# in stretches of up to 12 in a row. A model profile that reads its lane that slow sends the lane's work in backward to
+# the step (docs/experiments.md, sections 19 and 42). Five bursts pooled read that slow in 1 of 58. The pause keeps
+# each burst's start as a single burst's was (the first updates after an idle spell run slower), so the usual reading
+# stays what the model was validated with.
 LANE_ALONE_BURSTS = 5
 LANE_ALONE_PAUSE_S = 0.1
 
@@ -119,8 +119,9 @@ class LaneLoad:
                                        inv_scale=1.0, half_out=self.half, threads=self.threads)
 
     def alone(self, repeats: int, bursts: int = LANE_ALONE_BURSTS, pause_s: float = LANE_ALONE_PAUSE_S) -> Stat:
-        """``bursts`` of ``repeats`` updates timed in this thread with nothing else running, each after an untimed
-        one and ``pause_s`` after the last burst: one Stat over all of them, so one slow stretch cannot set it."""
+        """``bursts`` of ``repeats`` updates timed in this thread with nothing else running, each burst after an
+        untimed update and, from the second on, ``pause_s`` after the last: one Stat over all of them, so one slow
+        stretch cannot set it."""
         samples: list[float] = []
         for b in range(bursts):
             if b:
