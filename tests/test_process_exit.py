@@ -1,6 +1,6 @@
 """A dostune process ends quietly: the world of one it made for itself is closed before it exits (left open, NCCL
 prints a warning per process, eight in a `tune --validate`), a launcher's world is closed by a command that succeeded
-(left open, a gloo rank can abort at exit), and the CLI silences the warnings that say nothing to its user."""
+and its rank then ends without the interpreter's teardown (where a gloo rank could abort), and the CLI silences the warnings that say nothing to its user."""
 import os
 import socket
 import subprocess
@@ -59,6 +59,29 @@ def test_a_launchers_world_is_closed_by_a_command_that_succeeded_and_only_then()
     assert out == "running: True\nexit code: 0\nat exit: False\n"
     out = _run_child("tune", "--trials", "0", **launcher, MASTER_PORT=_free_port())  # refused: exit 2
     assert out == "running: True\nexit code: 2\nat exit: True\n"
+
+
+# a launched rank running the `dostune` entry point; `teardown` is printed only if the interpreter tears down __main__
+_ENTRY = ("import atexit, sys\n"
+          "class Teardown:\n    def __del__(self):\n        print('teardown', flush=True)\n"
+          "watch = Teardown()\n"
+          "atexit.register(lambda: print('at exit', flush=True))\n"
+          "from dostune.train.engine import ensure_distributed\n"
+          "ensure_distributed()\n"
+          "from dostune.cli.app import main\n"
+          "sys.argv = ['dostune', *sys.argv[1:]]\n"
+          "main()\n")
+
+
+def test_a_launched_rank_that_succeeded_ends_after_its_atexit_handlers_without_the_teardown():
+    env = {k: v for k, v in os.environ.items() if k not in WORLD}
+    env.update(PYTHONPATH=str(ROOT), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    outs = {}
+    for args in (["--version"], ["tune", "--trials", "0"]):  # the second is refused: exit 2
+        r = subprocess.run([sys.executable, "-c", _ENTRY, *args], capture_output=True, text=True, timeout=300,
+                           env={**env, "MASTER_PORT": _free_port()})
+        outs[args[0]] = r.returncode, [line for line in r.stdout.splitlines() if line in ("at exit", "teardown")]
+    assert outs == {"--version": (0, ["at exit"]), "tune": (2, ["at exit", "teardown"])}
 
 
 def test_the_cli_silences_torchs_barrier_device_warning_and_nothing_else():

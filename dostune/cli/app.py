@@ -87,14 +87,18 @@ class _Group(_FlagHelp, TyperGroup):
         sys.exit(code)
 
 
+_left_launchers_world = False  # set once a command that succeeded has closed the world a launcher made
+
+
 def _leave_launchers_world() -> None:
     """Closed only on success: a rank that failed may leave peers inside a collective, which closing could wait
     on."""
+    global _left_launchers_world
     if "torch.distributed" not in sys.modules:  # a command that never touched torch.distributed
         return
     from ..train.engine import leave_launchers_world
 
-    leave_launchers_world()
+    _left_launchers_world = leave_launchers_world()
 
 
 app = typer.Typer(
@@ -151,8 +155,18 @@ def quiet_known_warnings() -> None:
 
 
 def main() -> None:
+    """The process's entry point: the `dostune` script, and `python -m dostune.train` on a launcher's ranks. A rank
+    that succeeded ends without the interpreter's teardown (train.engine.exit_skipping_teardown says why); `app`
+    only raises SystemExit, which a script that calls it may catch."""
     quiet_known_warnings()
-    app()
+    try:
+        app()
+    except SystemExit:
+        if _left_launchers_world:
+            from ..train.engine import exit_skipping_teardown
+
+            exit_skipping_teardown()
+        raise
 
 
 if __name__ == "__main__":

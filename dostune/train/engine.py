@@ -5,9 +5,10 @@ import atexit
 import gc
 import os
 import socket
+import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -80,20 +81,36 @@ def _unlink_deepspeeds_shm_buffer(rank: int, world_size: int) -> None:
         pass
 
 
-def leave_launchers_world() -> None:
-    """Close the world a launcher made, once this rank's command has succeeded. Left open, gloo's worker threads
-    outlive the interpreter and a rank can abort at exit ("terminate called without an active exception", exit
-    -6) after its work is done; seen on two CPU ranks. A world of one made here stays open for the process's next
-    command and is closed at exit."""
-    if not _own_world:
-        _leave_world()
+def leave_launchers_world() -> bool:
+    """Close the world a launcher made, once this rank's command has succeeded; whether there was one to close. A
+    world of one made here stays open for the process's next command and is closed at exit."""
+    return not _own_world and _leave_world()
 
 
-def _leave_world() -> None:
+def _leave_world() -> bool:
     import torch.distributed as tdist
 
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
+    if not tdist.is_initialized():
+        return False
+    tdist.destroy_process_group()
+    return True
+
+
+def exit_skipping_teardown() -> NoReturn:
+    """End a launched rank whose command succeeded (exit 0) without the interpreter's teardown.
+
+    Closing the world does not free the default process group: a torch module imported once it exists holds it as
+    a default argument (torch.distributed.nn.functional's ``group=group.WORLD``, on DeepSpeed's launched CPU ranks),
+    so its gloo threads run on into the teardown, where a rank whose work was done could still abort ("terminate
+    called without an active exception", exit -6, which fails the whole launch). It failed CI's two-rank launcher
+    tests before the world was closed, and once after. The atexit handlers run first, as at any exit (they flush
+    logs); what is skipped is freeing objects and C++ static destructors, which an ending process does not need."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
