@@ -1,6 +1,7 @@
 """A dostune process ends quietly: the world of one it made for itself is closed before it exits (left open, NCCL
 prints a warning per process, eight in a `tune --validate`), a launcher's world is closed by a command that succeeded
-and its rank then ends without the interpreter's teardown (where a gloo rank could abort), and the CLI silences the warnings that say nothing to its user."""
+and its rank then ends without the interpreter's teardown (where a gloo rank could abort), and the CLI silences the
+warnings that say nothing to its user."""
 import os
 import socket
 import subprocess
