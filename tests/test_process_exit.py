@@ -62,7 +62,8 @@ def test_a_launchers_world_is_closed_by_a_command_that_succeeded_and_only_then()
     assert out == "running: True\nexit code: 2\nat exit: True\n"
 
 
-# a launched rank running the `dostune` entry point; `teardown` is printed only if the interpreter tears down __main__
+# a launched rank running the `dostune` entry point, with a thread that is not a daemon still running; `teardown` is
+# printed only if the interpreter tears down __main__
 _ENTRY = ("import atexit, sys\n"
           "class Teardown:\n    def __del__(self):\n        print('teardown', flush=True)\n"
           "watch = Teardown()\n"
@@ -71,18 +72,21 @@ _ENTRY = ("import atexit, sys\n"
           "ensure_distributed()\n"
           "from dostune.cli.app import main\n"
           "sys.argv = ['dostune', *sys.argv[1:]]\n"
+          "import threading, time\n"
+          "threading.Thread(target=lambda: (time.sleep(1), print('thread done', flush=True))).start()\n"
           "main()\n")
+WATCHED = ("thread done", "at exit", "teardown")  # in the order an exit should print them
 
 
-def test_a_launched_rank_that_succeeded_ends_after_its_atexit_handlers_without_the_teardown():
+def test_a_launched_rank_that_succeeded_ends_after_its_threads_and_atexit_handlers_without_the_teardown():
     env = {k: v for k, v in os.environ.items() if k not in WORLD}
     env.update(PYTHONPATH=str(ROOT), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     outs = {}
     for args in (["--version"], ["tune", "--trials", "0"]):  # the second is refused: exit 2
         r = subprocess.run([sys.executable, "-c", _ENTRY, *args], capture_output=True, text=True, timeout=300,
                            env={**env, "MASTER_PORT": _free_port()})
-        outs[args[0]] = r.returncode, [line for line in r.stdout.splitlines() if line in ("at exit", "teardown")]
-    assert outs == {"--version": (0, ["at exit"]), "tune": (2, ["at exit", "teardown"])}
+        outs[args[0]] = r.returncode, [line for line in r.stdout.splitlines() if line in WATCHED]
+    assert outs == {"--version": (0, ["thread done", "at exit"]), "tune": (2, ["thread done", "at exit", "teardown"])}
 
 
 def test_the_cli_silences_torchs_barrier_device_warning_and_nothing_else():
