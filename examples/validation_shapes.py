@@ -66,7 +66,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   of the fourteenth set with the CPU lane's kernel handing its blocks to free threads (892b747), which every profile
   taken since reads (docs/experiments.md, section 41);
 * the twenty-fifth (gpt2_1_05b, llama_1_01b), added before any run of them, at 1.0-1.1B, for the model of the
-  fourteenth set with the lane's main-thread reading alone taken in five bursts (docs/experiments.md, section 42).
+  fourteenth set with the lane's main-thread reading alone taken in five bursts (docs/experiments.md, section 42);
+* the twenty-sixth (gpt2_1_06b, llama_1_16b, gpt2_1_42b), added before any run of them, at 1.1-1.4B, for the same
+  model and profile.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -212,6 +214,11 @@ SHAPES = {
     "gpt2_1_05b": DecoderConfig("gpt2", layers=20, hidden=1984, heads=31, vocab=50304, max_positions=1024),
     "llama_1_01b": DecoderConfig("llama", layers=18, hidden=2176, heads=34, vocab=32000, max_positions=2048, ffn=5888,
                                  kv_heads=2),
+    # the twenty-sixth set
+    "gpt2_1_06b": DecoderConfig("gpt2", layers=25, hidden=1792, heads=28, vocab=50304, max_positions=1024),
+    "llama_1_16b": DecoderConfig("llama", layers=19, hidden=2240, heads=35, vocab=32000, max_positions=2048, ffn=6144,
+                                 kv_heads=7),
+    "gpt2_1_42b": DecoderConfig("gpt2", layers=23, hidden=2176, heads=17, vocab=50304, max_positions=1024),
 }
 
 
