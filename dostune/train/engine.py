@@ -103,9 +103,12 @@ def exit_skipping_teardown() -> NoReturn:
     a default argument (torch.distributed.nn.functional's ``group=group.WORLD``, on DeepSpeed's launched CPU ranks),
     so its gloo threads run on into the teardown, where a rank whose work was done could still abort ("terminate
     called without an active exception", exit -6, which fails the whole launch). It failed CI's two-rank launcher
-    tests before the world was closed, and once after. What any exit does first is done here too, in its order: wait
-    for the threads that are not daemons, then run the atexit handlers (they flush logs); what is skipped is freeing
-    objects and C++ static destructors, which an ending process does not need."""
+    tests before the world was closed, and once after. The likely way: a gloo thread that takes the GIL while the
+    interpreter finalizes is ended by CPython in the middle of C++ frames that may not be unwound.
+
+    What any exit does first is done here too, in its order: wait for the threads that are not daemons, then run the
+    atexit handlers (they flush logs). What is skipped is freeing objects and C++ static destructors, which an ending
+    process does not need."""
     import threading
 
     for thread in threading.enumerate():
