@@ -22,17 +22,22 @@ _CHILD = ("import atexit, torch.distributed as d\n"
           "print('running:', d.is_initialized(), flush=True)\n")
 
 
+def _child_env(**world: str) -> dict:
+    """This process's environment without its own world's variables, with ``world``'s and the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in WORLD}
+    return {**env, "PYTHONPATH": str(ROOT), **world}
+
+
 def _run_child(*cli_args: str, **world) -> str:
     """The child joins or makes a world; with ``cli_args`` it then runs that dostune command, whose exit code is
     returned in the output."""
-    env = {k: v for k, v in os.environ.items() if k not in WORLD}
     code = _CHILD
     if cli_args:
         code += ("from dostune.cli.app import app\n"
                  f"try:\n    app(args={list(cli_args)!r}, prog_name='dostune')\n"
                  "except SystemExit as e:\n    print('exit code:', e.code, flush=True)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**env, "PYTHONPATH": str(ROOT), **world})
+                       env=_child_env(**world))
     assert r.returncode == 0, r.stderr[-3000:]
     # DeepSpeed's CPU accelerator prints its op builds to stdout
     return "".join(line for line in r.stdout.splitlines(keepends=True)
@@ -79,12 +84,11 @@ WATCHED = ("thread done", "at exit", "teardown")  # in the order an exit should 
 
 
 def test_a_launched_rank_that_succeeded_ends_after_its_threads_and_atexit_handlers_without_the_teardown():
-    env = {k: v for k, v in os.environ.items() if k not in WORLD}
-    env.update(PYTHONPATH=str(ROOT), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     outs = {}
     for args in (["--version"], ["tune", "--trials", "0"]):  # the second is refused: exit 2
         r = subprocess.run([sys.executable, "-c", _ENTRY, *args], capture_output=True, text=True, timeout=300,
-                           env={**env, "MASTER_PORT": _free_port()})
+                           env=_child_env(**launcher, MASTER_PORT=_free_port()))
         outs[args[0]] = r.returncode, [line for line in r.stdout.splitlines() if line in WATCHED]
     assert outs == {"--version": (0, ["thread done", "at exit"]), "tune": (2, ["thread done", "at exit", "teardown"])}
 
