@@ -6,6 +6,7 @@ import gc
 import os
 import socket
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
@@ -109,8 +110,6 @@ def exit_skipping_teardown() -> NoReturn:
     What any exit does first is done here too, in its order: wait for the threads that are not daemons, then run the
     atexit handlers (they flush logs). What is skipped is freeing objects and C++ static destructors, which an ending
     process does not need."""
-    import threading
-
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
