@@ -8,8 +8,9 @@ more; only a validation run with the model as it was then is a check on shapes i
 
 The profiles are found as `tune` recorded them or, where those paths are gone (a validation measured on another
 machine), in the layout of the committed results (results/h100/heldout-*/): ``MODEL-profile.json`` beside
-``MODEL.json``, and the node profile the ``node-*.json`` there created last before that model profile (each machine
-profiled itself, then its models).
+``MODEL.json``, and the node profile the ``node-*.json`` there created last before the tune (each machine profiled
+itself before it tuned, so that is the file the tune read; a model profile may be older than its machine's node
+profile, when the machine that profiled the model was profiled again before the tune).
 """
 from __future__ import annotations
 
@@ -36,10 +37,9 @@ def profiles_of(result: TuneResult, path: Path) -> tuple[Path, Path]:
     model = path.with_name(f"{path.stem}-profile.json")
     if not model.is_file():
         raise ProfileError(f"{path}: its model profile is neither at {result.model_profile} nor at {model}")
-    made = _created(model)
-    nodes = sorted((when, p) for p in path.parent.glob("node*.json") if (when := _created(p)) <= made)
+    nodes = sorted((when, p) for p in path.parent.glob("node*.json") if (when := _created(p)) <= result.created)
     if not nodes:
-        raise ProfileError(f"{path}: no node profile beside it created before its model profile {model.name}")
+        raise ProfileError(f"{path}: no node profile beside it created before the tune")
     return nodes[-1][1], model
 
 
