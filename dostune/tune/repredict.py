@@ -9,8 +9,8 @@ more; only a validation run with the model as it was then is a check on shapes i
 The profiles are found as `tune` recorded them or, where those paths are gone (a validation measured on another
 machine), in the layout of the committed results (results/h100/heldout-*/): ``MODEL-profile.json`` beside
 ``MODEL.json``, and the node profile the ``node-*.json`` there created last before the tune (each machine profiled
-itself before it tuned, so that is the file the tune read; a model profile may be older than its machine's node
-profile, when the machine that profiled the model was profiled again before the tune).
+itself before it tuned, so that is the file the tune read; a model profile may be older than that node profile, as
+heldout-26's gpt2_1_42b is).
 """
 from __future__ import annotations
 
