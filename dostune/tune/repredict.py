@@ -10,7 +10,8 @@ The profiles are found as `tune` recorded them or, where those paths are gone (a
 machine), in the layout of the committed results (results/h100/heldout-*/): ``MODEL-profile.json`` beside
 ``MODEL.json``, and the node profile the ``node-*.json`` there created last before the tune (each machine profiled
 itself before it tuned, so that is the file the tune read; a model profile may be older than that node profile, as
-heldout-26's gpt2_1_42b is).
+heldout-26's gpt2_1_42b is). A record measured again by tune/remeasure.py carries the time it was measured again,
+not its tune's: a node profile created between its tune and then would be taken for its own.
 """
 from __future__ import annotations
 
