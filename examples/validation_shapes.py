@@ -68,7 +68,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the twenty-fifth (gpt2_1_05b, llama_1_01b), added before any run of them, at 1.0-1.1B, for the model of the
   fourteenth set with the lane's main-thread reading alone taken in five bursts (docs/experiments.md, section 42);
 * the twenty-sixth (gpt2_1_06b, llama_1_16b, gpt2_1_42b), added before any run of them, at 1.1-1.4B, for the same
-  model and profile.
+  model and profile (results/h100/heldout-26/); llama_1_16b on a third machine, its tune stopped by a time limit in
+  its second round.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
