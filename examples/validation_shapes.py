@@ -69,7 +69,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   fourteenth set with the lane's main-thread reading alone taken in five bursts (docs/experiments.md, section 42);
 * the twenty-sixth (gpt2_1_06b, llama_1_16b, gpt2_1_42b), added before any run of them, at 1.1-1.4B, for the same
   model and profile (results/h100/heldout-26/); llama_1_16b on a third machine, its tune stopped by a time limit in
-  its second round.
+  its second round;
+* the twenty-seventh (llama_1_15b, gpt2_1_16b), added before any run of them, at about 1.15B, for the same model and
+  profile; llama_1_15b with grouped attention (9 key-value heads of 36).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -220,6 +222,10 @@ SHAPES = {
     "llama_1_16b": DecoderConfig("llama", layers=19, hidden=2240, heads=35, vocab=32000, max_positions=2048, ffn=6144,
                                  kv_heads=7),
     "gpt2_1_42b": DecoderConfig("gpt2", layers=23, hidden=2176, heads=17, vocab=50304, max_positions=1024),
+    # the twenty-seventh set
+    "llama_1_15b": DecoderConfig("llama", layers=18, hidden=2304, heads=36, vocab=32000, max_positions=2048, ffn=6144,
+                                 kv_heads=9),
+    "gpt2_1_16b": DecoderConfig("gpt2", layers=24, hidden=1920, heads=30, vocab=50304, max_positions=1024),
 }
 
 
