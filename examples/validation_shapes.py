@@ -71,7 +71,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   model and profile (results/h100/heldout-26/); llama_1_16b on a third machine, its tune stopped by a time limit in
   its second round;
 * the twenty-seventh (llama_1_15b, gpt2_1_16b), added before any run of them, at about 1.15B, for the same model and
-  profile; llama_1_15b with grouped attention (9 key-value heads of 36).
+  profile; llama_1_15b with grouped attention (9 key-value heads of 36), validated (results/h100/heldout-27/), its
+  tune stopped by a time limit in ZeRO-Offload's second round.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
