@@ -107,9 +107,8 @@ def test_todays_model_on_every_held_out_validation(held_out):
     # what today's model achieves on the 69 shapes of the held-out sets (docs/performance-model.md): 32 within both
     # bounds, medians 8.0% and 17.9% (16.3% on the 63 before the twenty-fifth set, whose two steps missed; the model
     # did not change; the twenty-sixth set's three missed, two in the iteration, llama_1_16b in the step; the
-    # twenty-seventh set's llama_1_15b missed both); a change
-    # of the model that does worse on them fails here, so no shape in these sets is unseen by a model changed after
-    # it was added
+    # twenty-seventh set's llama_1_15b missed both); a change of the model that does worse on them fails here, so no
+    # shape in these sets is unseen by a model changed after it was added
     assert sum(r["ok"] for r in rows) >= 30
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.18
