@@ -71,9 +71,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   model and profile (results/h100/heldout-26/); llama_1_16b on a third machine, its tune stopped by a time limit in
   its second round;
 * the twenty-seventh (llama_1_15b, gpt2_1_16b), added before any run of them, at about 1.15B, for the same model and
-  profile; llama_1_15b with grouped attention (9 key-value heads of 36), validated (results/h100/heldout-27/), its
-  tune stopped by a time limit in ZeRO-Offload's second round; its traces were looked at since (docs/experiments.md,
-  section 47), so it is seen now; nothing in the model has been changed for it.
+  profile, both validated (results/h100/heldout-27/); llama_1_15b with grouped attention (9 key-value heads of 36),
+  its tune stopped by a time limit in ZeRO-Offload's second round; its traces were looked at since (docs/experiments.md,
+  section 47), so it is seen now; gpt2_1_16b on a second machine, and instrumented runs of its schedule since
+  (section 48), so it is seen too; nothing in the model has been changed for either.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
