@@ -14,6 +14,7 @@ Library API (the CLI is a thin layer over it)::
 from ._version import __version__
 from .errors import ConfigError, DostuneError, NotAvailable, ProfileError
 from .profile.node import NodeProfileOptions, measure_node
+from .leaf_blocks import mark_leaf_blocks
 from .optim.api import HFTrainerCallback, attach, initialize
 from .profile.record import NodeProfile, load_node_profile
 from .records import save_record
@@ -21,5 +22,5 @@ from .records import save_record
 __all__ = [
     "__version__", "DostuneError", "ProfileError", "ConfigError", "NotAvailable",
     "NodeProfile", "NodeProfileOptions", "measure_node", "load_node_profile", "save_record",
-    "initialize", "attach", "HFTrainerCallback",
+    "initialize", "attach", "HFTrainerCallback", "mark_leaf_blocks",
 ]

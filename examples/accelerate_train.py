@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     config = AutoConfig.from_pretrained(str(a.model_config or (TINY_MODEL if a.tiny else LLAMA_1B)))
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_config(config)  # partitioned as it is built (zero3_init_flag)
+    dostune.mark_leaf_blocks(model)  # its blocks as ZeRO-3 leaf modules before prepare: the engine dostune profiles
     data = torch.utils.data.DataLoader(SyntheticTokens(config.vocab_size, seq), batch_size=micro_batch)
     # DummyOptim: the config's own optimizer (DeepSpeedCPUAdam under offload) with these lr and weight decay
     optimizer = DummyOptim(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)

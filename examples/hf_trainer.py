@@ -129,6 +129,9 @@ def run(deepspeed: str | Path, output_dir: str | Path, model_config=None, steps:
     torch.manual_seed(seed)
     # built after TrainingArguments, so that under ZeRO-3 it is partitioned while it is built
     model = AutoModelForCausalLM.from_config(model_config)
+    # its blocks as ZeRO-3 leaf modules, as dostune profiles it; the callback does this too, and --plain-deepspeed
+    # gets the same so that the two runs differ in the update alone
+    dostune.mark_leaf_blocks(model)
     traces = StepTraces()
     callbacks = [traces] + ([] if plain_deepspeed else [dostune.HFTrainerCallback()])
     trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(model_config.vocab_size, seq),

@@ -46,11 +46,17 @@ def attach(engine, schedule: Optional[ScheduleConfig | dict] = None):
 
 
 def initialize(*args: Any, **kwargs: Any):
-    """Same arguments and return value as ``deepspeed.initialize``. When the config has a ``dostune``
-    section, the engine's ZeRO-3 optimizer runs the interleaved CPU+GPU update it describes; without
-    one, this is exactly ``deepspeed.initialize``."""
+    """Same arguments and return value as ``deepspeed.initialize``. The model's transformer blocks become ZeRO-3
+    leaf modules first (leaf_blocks.py), as in every engine dostune profiles and trains. When the config has a
+    ``dostune`` section, the engine's ZeRO-3 optimizer runs the interleaved CPU+GPU update it describes; without
+    one, the engine is DeepSpeed's own."""
     import deepspeed
 
+    from ..leaf_blocks import mark_leaf_blocks
+
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)  # deepspeed.initialize(args, model, ...)
+    if model is not None:
+        mark_leaf_blocks(model)
     out = deepspeed.initialize(*args, **kwargs)
     attach(out[0])
     return out
@@ -75,10 +81,11 @@ class HFTrainerCallback:
 
     Passed to the Trainer's constructor, it checks the DeepSpeed config against its ``dostune`` section when the
     Trainer is built (``on_init_end``): a conflict (another optimizer, ZeRO stage 2, no CPU offload) stops there
-    with one ConfigError, before any model is partitioned or any step runs. The Trainer (through Accelerate) builds
-    the DeepSpeed engine before ``on_train_begin``; there the engine's ZeRO-3 optimizer (inside Accelerate's
-    optimizer wrapper) is switched to the schedule in the config's ``dostune`` section, or to ``schedule`` if
-    given. Duck-typed, so transformers stays an optional dependency.
+    with one ConfigError, before any model is partitioned or any step runs; otherwise the model's transformer blocks
+    become ZeRO-3 leaf modules there, as in the engines dostune profiles (leaf_blocks.py). The Trainer (through
+    Accelerate) builds the DeepSpeed engine before ``on_train_begin``; there the engine's ZeRO-3 optimizer (inside
+    Accelerate's optimizer wrapper) is switched to the schedule in the config's ``dostune`` section, or to
+    ``schedule`` if given. Duck-typed, so transformers stays an optional dependency.
     """
 
     def __init__(self, schedule: Optional[ScheduleConfig | dict] = None):
@@ -105,8 +112,12 @@ class HFTrainerCallback:
                                                 "HFTrainerCallback(schedule={...})")
         return schedule
 
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        from ..leaf_blocks import mark_leaf_blocks
+
         self._schedule(args)
+        if model is not None:  # before the Trainer builds the engine, so that it runs as dostune profiles it
+            mark_leaf_blocks(model)
         return control
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):

@@ -15,6 +15,7 @@ import torch
 
 from ..deepspeed_support import remember_cpu_info
 from ..dsconfig import activation_checkpointing
+from ..leaf_blocks import mark_leaf_blocks
 from ..models.registry import ModelSpec, loss_of
 
 
@@ -123,9 +124,10 @@ def exit_skipping_teardown() -> NoReturn:
 
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
                  rank_timeout_s: Optional[float] = None):
-    """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built) and
-    wrap it in a DeepSpeed engine; with ``use_dostune`` a ``dostune`` section switches the optimizer. An
-    ``activation_checkpointing`` section makes the model checkpoint every transformer block.
+    """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built), its
+    transformer blocks ZeRO-3 leaf modules (leaf_blocks.py), and wrap it in a DeepSpeed engine; with ``use_dostune``
+    a ``dostune`` section switches the optimizer. An ``activation_checkpointing`` section makes the model checkpoint
+    every transformer block.
     ``rank_timeout_s``: see ensure_distributed."""
     import deepspeed
 
@@ -135,6 +137,7 @@ def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: b
     torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = spec.build(checkpointing=activation_checkpointing(ds_config))
+    mark_leaf_blocks(model)  # every method's engine alike, so the profiles measure the engine training runs
     init = initialize if use_dostune else deepspeed.initialize
     engine, *_ = init(model=model, config=ds_config, model_parameters=[p for p in model.parameters()
                                                                         if p.requires_grad])
