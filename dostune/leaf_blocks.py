@@ -7,8 +7,9 @@ pace of forward and backward for models of about 1B parameters, and their pace w
 (docs/experiments.md, section 48). With each block a leaf (``deepspeed.utils.set_z3_leaf_modules``), gpt2_1_16b's
 coordinator made 1,008-1,176 fetches per bench process instead of 7,920-8,360; dostune's iteration went from
 0.415-0.438 s to 0.343-0.354 s on its tuned schedule and ZeRO-Offload's from 1.380-1.441 s to 1.251-1.323 s, with the
-same peak GPU memory (section 49). The updates are the same: a block's gradients reach the same places of the same
-flat partitions, only together when its backward ends.
+same peak GPU memory (section 49). The updates are the same (bit for bit on one rank, tests/test_leaf_blocks.py): a
+block's gradients reach the same places of the same flat partitions, only together, in forward order, when its
+backward ends; a model profile records when each subgroup's gradients are final as this engine makes them.
 
 Every engine dostune builds flags its blocks (train/engine.py: bench's methods, the profiles, training and the gate
 alike), so a profile measures the engine that training runs; ``dostune.initialize`` flags them before DeepSpeed hooks
