@@ -75,8 +75,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   its tune stopped by a time limit in ZeRO-Offload's second round; its traces were looked at since (docs/experiments.md,
   section 47), so it is seen now; gpt2_1_16b on a second machine, and instrumented runs of its schedule since
   (section 48), so it is seen too; nothing in the model has been changed for either;
-* the twenty-eighth (gpt2_1_13b, llama_1_08b), added before any run of them, at about 1.1B, the first set for the
-  engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same model.
+* the twenty-eighth (gpt2_1_13b, llama_1_08b, llama_0_81b), added before any run of them, at 0.8-1.1B, the first set
+  for the engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same
+  model; llama_0_81b added after the other two had run, before any run of it.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -235,6 +236,8 @@ SHAPES = {
     "gpt2_1_13b": DecoderConfig("gpt2", layers=27, hidden=1792, heads=14, vocab=50304, max_positions=1024),
     "llama_1_08b": DecoderConfig("llama", layers=22, hidden=2048, heads=32, vocab=32000, max_positions=2048, ffn=5504,
                                  kv_heads=4),
+    "llama_0_81b": DecoderConfig("llama", layers=18, hidden=1920, heads=30, vocab=32000, max_positions=2048, ffn=5120,
+                                 kv_heads=5),
 }
 
 
