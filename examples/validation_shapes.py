@@ -77,7 +77,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   (section 48), so it is seen too; nothing in the model has been changed for either;
 * the twenty-eighth (gpt2_1_13b, llama_1_08b, llama_0_81b), added before any run of them, at 0.8-1.1B, the first set
   for the engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same
-  model; llama_0_81b added after the other two had run, before any run of it.
+  model (results/h100/heldout-28/); llama_0_81b added after the other two had run, before any run of it.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
