@@ -6,6 +6,7 @@ import logging
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..leaf_blocks import mark_leaf_blocks
 from .schedule import SECTION, ScheduleConfig
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,6 @@ def initialize(*args: Any, **kwargs: Any):
     ``dostune`` section, the engine's ZeRO-3 optimizer runs the interleaved CPU+GPU update it describes; without
     one, the engine is DeepSpeed's own."""
     import deepspeed
-
-    from ..leaf_blocks import mark_leaf_blocks
 
     model = kwargs.get("model", args[1] if len(args) > 1 else None)  # deepspeed.initialize(args, model, ...)
     if model is not None:
@@ -113,8 +112,6 @@ class HFTrainerCallback:
         return schedule
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        from ..leaf_blocks import mark_leaf_blocks
-
         self._schedule(args)
         if model is not None:  # before the Trainer builds the engine, so that it runs as dostune profiles it
             mark_leaf_blocks(model)
