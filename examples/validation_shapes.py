@@ -77,7 +77,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   (section 48), so it is seen too; nothing in the model has been changed for either;
 * the twenty-eighth (gpt2_1_13b, llama_1_08b, llama_0_81b), added before any run of them, at 0.8-1.1B, the first set
   for the engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same
-  model (results/h100/heldout-28/); llama_0_81b added after the other two had run, before any run of it.
+  model (results/h100/heldout-28/); llama_0_81b added after the other two had run, before any run of it;
+* the twenty-ninth (gpt2_1_09b, llama_0_89b, llama_0_84b), added before any run of them, at 0.8-1.1B, the second
+  set on the leaf-block engine, with the same model.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -238,6 +240,12 @@ SHAPES = {
                                  kv_heads=4),
     "llama_0_81b": DecoderConfig("llama", layers=18, hidden=1920, heads=30, vocab=32000, max_positions=2048, ffn=5120,
                                  kv_heads=5),
+    # the twenty-ninth set
+    "gpt2_1_09b": DecoderConfig("gpt2", layers=21, hidden=1984, heads=16, vocab=50304, max_positions=1024),
+    "llama_0_89b": DecoderConfig("llama", layers=16, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5632,
+                                 kv_heads=8),
+    "llama_0_84b": DecoderConfig("llama", layers=26, hidden=1664, heads=26, vocab=32000, max_positions=2048, ffn=4480,
+                                 kv_heads=2),
 }
 
 
