@@ -79,7 +79,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   for the engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same
   model (results/h100/heldout-28/); llama_0_81b added after the other two had run, before any run of it;
 * the twenty-ninth (gpt2_1_09b, llama_0_89b, llama_0_84b), added before any run of them, at 0.8-1.1B, the second
-  set on the leaf-block engine, with the same model.
+  set on the leaf-block engine, with the same model (results/h100/heldout-29/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
