@@ -79,7 +79,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   for the engine whose transformer blocks are ZeRO-3 leaf modules (docs/experiments.md, section 49), with the same
   model (results/h100/heldout-28/); llama_0_81b added after the other two had run, before any run of it;
 * the twenty-ninth (gpt2_1_09b, llama_0_89b, llama_0_84b), added before any run of them, at 0.8-1.1B, the second
-  set on the leaf-block engine, with the same model (results/h100/heldout-29/).
+  set on the leaf-block engine, with the same model (results/h100/heldout-29/);
+* the thirtieth (gpt2_0_94b, llama_1_12b, gpt2_0_91b), added before any run of them, at 0.9-1.1B, on the leaf-block
+  engine with the same model, to decide the prologue's place (docs/experiments.md, section 50); llama_1_12b shallow and
+  wide (12 layers of width 2688, 7 key-value heads of 21), gpt2_0_91b deep and narrow (32 layers of width 1472).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -246,6 +249,11 @@ SHAPES = {
                                  kv_heads=8),
     "llama_0_84b": DecoderConfig("llama", layers=26, hidden=1664, heads=26, vocab=32000, max_positions=2048, ffn=4480,
                                  kv_heads=2),
+    # the thirtieth set
+    "gpt2_0_94b": DecoderConfig("gpt2", layers=28, hidden=1600, heads=25, vocab=50304, max_positions=1024),
+    "llama_1_12b": DecoderConfig("llama", layers=12, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7424,
+                                 kv_heads=7),
+    "gpt2_0_91b": DecoderConfig("gpt2", layers=32, hidden=1472, heads=23, vocab=50304, max_positions=1024),
 }
 
 
