@@ -81,8 +81,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the twenty-ninth (gpt2_1_09b, llama_0_89b, llama_0_84b), added before any run of them, at 0.8-1.1B, the second
   set on the leaf-block engine, with the same model (results/h100/heldout-29/);
 * the thirtieth (gpt2_0_94b, llama_1_12b, gpt2_0_91b), added before any run of them, at 0.9-1.1B, on the leaf-block
-  engine with the same model, to decide the prologue's place (docs/experiments.md, section 50); llama_1_12b shallow and
-  wide (12 layers of width 2688, 7 key-value heads of 21), gpt2_0_91b deep and narrow (32 layers of width 1472).
+  engine with the same model, to decide the prologue's place (docs/experiments.md, sections 50 and 51); llama_1_12b
+  shallow and wide (12 layers of width 2688, 7 key-value heads of 21), gpt2_0_91b deep and narrow (32 layers of width
+  1472); validated (results/h100/heldout-30/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
