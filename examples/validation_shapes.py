@@ -84,6 +84,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   engine with the same model, to decide the prologue's place (docs/experiments.md, sections 50 and 51); llama_1_12b
   shallow and wide (12 layers of width 2688, 7 key-value heads of 21), gpt2_0_91b deep and narrow (32 layers of width
   1472); validated (results/h100/heldout-30/).
+* the thirty-first (gpt2_0_92b, llama_0_92b), added before any run of them, at 0.92B, the first held-out set measured
+  on an H200, with the model as it is; gpt2_0_92b with 13 heads of width 128, llama_0_92b with 4 key-value heads of 28.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -255,6 +257,10 @@ SHAPES = {
     "llama_1_12b": DecoderConfig("llama", layers=12, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7424,
                                  kv_heads=7),
     "gpt2_0_91b": DecoderConfig("gpt2", layers=32, hidden=1472, heads=23, vocab=50304, max_positions=1024),
+    # the thirty-first set
+    "gpt2_0_92b": DecoderConfig("gpt2", layers=25, hidden=1664, heads=13, vocab=50304, max_positions=1024),
+    "llama_0_92b": DecoderConfig("llama", layers=24, hidden=1792, heads=28, vocab=32000, max_positions=2048, ffn=4864,
+                                 kv_heads=4),
 }
 
 
