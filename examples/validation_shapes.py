@@ -85,7 +85,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   shallow and wide (12 layers of width 2688, 7 key-value heads of 21), gpt2_0_91b deep and narrow (32 layers of width
   1472); validated (results/h100/heldout-30/).
 * the thirty-first (gpt2_0_92b, llama_0_92b), added before any run of them, at 0.92B, the first held-out set measured
-  on an H200, with the model as it is; gpt2_0_92b with 13 heads of width 128, llama_0_92b with 4 key-value heads of 28.
+  on an H200, with the model as it is; gpt2_0_92b with 13 heads of width 128, llama_0_92b with 4 key-value heads of 28;
+  validated (results/h200/heldout-31/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
