@@ -87,6 +87,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the thirty-first (gpt2_0_92b, llama_0_92b), added before any run of them, at 0.92B, the first held-out set measured
   on an H200, with the model as it is; gpt2_0_92b with 13 heads of width 128, llama_0_92b with 4 key-value heads of 28;
   validated (results/h200/heldout-31/).
+* the thirty-second (gpt2_0_86b, llama_0_91b), added before any run of them, at 0.86-0.91B, on an H200 with the
+  model as it is; gpt2_0_86b deep and narrow (33 layers of width 1408, 11 heads of width 128), llama_0_91b with 30
+  layers of width 1600 and 5 key-value heads of 25.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -262,6 +265,10 @@ SHAPES = {
     "gpt2_0_92b": DecoderConfig("gpt2", layers=25, hidden=1664, heads=13, vocab=50304, max_positions=1024),
     "llama_0_92b": DecoderConfig("llama", layers=24, hidden=1792, heads=28, vocab=32000, max_positions=2048, ffn=4864,
                                  kv_heads=4),
+    # the thirty-second set
+    "gpt2_0_86b": DecoderConfig("gpt2", layers=33, hidden=1408, heads=11, vocab=50304, max_positions=1024),
+    "llama_0_91b": DecoderConfig("llama", layers=30, hidden=1600, heads=25, vocab=32000, max_positions=2048, ffn=4352,
+                                 kv_heads=5),
 }
 
 
