@@ -89,7 +89,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated (results/h200/heldout-31/).
 * the thirty-second (gpt2_0_86b, llama_0_91b), added before any run of them, at 0.86-0.91B, on an H200 with the
   model as it is; gpt2_0_86b deep and narrow (33 layers of width 1408, 11 heads of width 128), llama_0_91b with 30
-  layers of width 1600 and 5 key-value heads of 25.
+  layers of width 1600 and 5 key-value heads of 25; validated (results/h200/heldout-32/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
