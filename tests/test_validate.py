@@ -205,6 +205,11 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     out, res = _tune_validate(tmp_path, monkeypatch, 1, 1)
     assert [v.method for v in res.validation] == ["zero-offload", "dostune"]
     assert f"zero-offload: median prediction error, iteration {res.median_error('iter', 'zero-offload'):.1%}" in out
+    # beside each relative error, the same in milliseconds
+    zo = next(v for v in res.validation if v.method == "zero-offload")
+    ms = 1e3 * abs(zo.predicted_step_s - zo.measured_step_s)
+    assert res.median_error_s("step", "zero-offload") == pytest.approx(ms / 1e3)
+    assert f"step {res.median_error('step', 'zero-offload'):.1%} ({ms:.0f} ms)" in out
     assert (f"host drift since the model profile: ZeRO-Offload ran {res.host_drift():.2f}x its profiled iteration "
             f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size") in out
     # the shipped model profile predates the steal; FakeBench's runs say 1% and 2%

@@ -217,8 +217,10 @@ def tune(
         for method in ("dostune", "zero-offload"):
             it, st = res.median_error("iter", method), res.median_error("step", method)
             if it is not None:
-                err_console.print(f"{method}: median prediction error, iteration [bold]{it:.1%}[/], step "
-                                  f"[bold]{st:.1%}[/]; figure {res.validation_figure}", highlight=False)
+                it_ms, st_ms = (1e3 * res.median_error_s(phase, method) for phase in ("iter", "step"))
+                err_console.print(f"{method}: median prediction error, iteration [bold]{it:.1%}[/] ({it_ms:.0f} ms), "
+                                  f"step [bold]{st:.1%}[/] ({st_ms:.0f} ms); figure {res.validation_figure}",
+                                  highlight=False)
         drift, step_drift = res.host_drift("iter"), res.host_drift("step")
         if drift is not None:
             # ZeRO-Offload's prediction is the model profile's measurement of it: its ratio is the host, not the model

@@ -113,6 +113,11 @@ class Validation(Record):
     def error(self, phase: str) -> Optional[float]:
         return relative_error(self.predicted(phase), self.measured(phase))
 
+    def error_s(self, phase: str) -> Optional[float]:
+        """|predicted - measured| of ``phase`` in seconds (None when either is unknown)."""
+        p, m = self.predicted(phase), self.measured(phase)
+        return None if p is None or m is None else abs(p - m)
+
     def round_spread(self, phase: str) -> Optional[float]:
         """How much longer ``phase`` (iter or step) took in this row's slowest round than in its fastest, as a
         share of the fastest (None with fewer than two rounds recorded)."""
@@ -172,6 +177,12 @@ class TuneResult(Record):
     def median_error(self, phase: str, method: Optional[str] = None) -> Optional[float]:
         """The median relative error of ``phase`` over the validated rows (of one ``method``, or all)."""
         return median(v.error(phase) for v in self.validation if method is None or v.method == method)
+
+    def median_error_s(self, phase: str, method: Optional[str] = None) -> Optional[float]:
+        """The median absolute error of ``phase`` in seconds over the validated rows (of one ``method``, or all): an
+        overlapped schedule's step is what its CPU lane leaves after backward, often a few tens of ms, and there a
+        relative error is large on a few ms (docs/experiments.md, section 53)."""
+        return median(v.error_s(phase) for v in self.validation if method is None or v.method == method)
 
     def host_drift(self, phase: str = "iter") -> Optional[float]:
         """ZeRO-Offload's validated ``phase`` over its prediction (None without that row). Its prediction is the
