@@ -159,6 +159,10 @@ def test_figure_record_and_report(tuned, tmp_path):
                                                           ("other", "dostune"), ("other", "zero-offload")]
     assert code == (0 if all(r["ok"] for r in rows) else 1)
     assert not rows[3]["ok"] and "| other | 1.31B | zero-offload | 1 |" in text and "| NO |" in text
+    # each median error beside the same in milliseconds
+    d = rows[0]
+    assert d["step_s"] == pytest.approx(again.median_error_s("step", "dostune"))
+    assert f"| {d['iter']:.1%} ({1e3 * d['iter_s']:.0f} ms) | {d['step']:.1%} ({1e3 * d['step_s']:.0f} ms) |" in text
     # the host's drift: ZeRO-Offload measured (x1.0, x1.05, x1.1 per phase here) over the profile's measurement of it
     zo = res.ds_offload
     drift = (0.13 + 0.25 * 1.05 + 1.254) / zo.iter_s

@@ -1,9 +1,9 @@
 """The performance model checked across models: reads the tune.json of `dostune tune --validate` runs (one per
-model) and writes one table: per model, the median iteration and step errors of dostune's validated schedules and of
-ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between profile and validation
-(TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in the validated runs,
-and the timed iterations each set aside for it, how far each row's rounds (each a fresh process) were apart, and in
-how many rows adaptive_swing ran another split than the predicted one, where they recorded them.
+model) and writes one table: per model, the median iteration and step errors (relative, and in ms) of dostune's
+validated schedules and of ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between
+profile and validation (TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in
+the validated runs, and the timed iterations each set aside for it, how far each row's rounds (each a fresh process)
+were apart, and in how many rows adaptive_swing ran another split than the predicted one, where they recorded them.
 
     python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
@@ -40,8 +40,8 @@ def load(path: "str | Path") -> TuneResult:
 
 
 def summarize(results: list[TuneResult]) -> list[dict]:
-    """One row per model and method with validated rows: their count, median iteration and step errors and whether
-    they are within the bounds."""
+    """One row per model and method with validated rows: their count, median iteration and step errors (relative,
+    and in seconds) and whether they are within the bounds (which are relative)."""
     out = []
     for res in results:
         for method in METHODS:
@@ -51,7 +51,9 @@ def summarize(results: list[TuneResult]) -> list[dict]:
             it, st = res.median_error("iter", method), res.median_error("step", method)
             recorded = [v for v in res.validation if v.method == method and v.measured_swing is not None]
             out.append({"model": res.model, "params": res.params, "method": method, "rows": n, "iter": it,
-                        "step": st, "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
+                        "step": st, "iter_s": res.median_error_s("iter", method),
+                        "step_s": res.median_error_s("step", method),
+                        "bwd": res.median_error("bwd", method), "drift": res.host_drift("iter"),
                         "steal": (res.profile_steal, res.validation_steal()),
                         "set_aside": (res.profile_set_aside, res.validation_set_aside()),
                         "rounds_apart": (res.round_spread("iter", method), res.round_spread("step", method)),
@@ -62,6 +64,10 @@ def summarize(results: list[TuneResult]) -> list[dict]:
 
 def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1%}"
+
+
+def _pct_ms(x: Optional[float], seconds: Optional[float]) -> str:
+    return _pct(x) if seconds is None else f"{_pct(x)} ({1e3 * seconds:.0f} ms)"
 
 
 def _ratio(x: Optional[float]) -> str:
@@ -79,7 +85,8 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
              + (", re-predicted by today's model from each validation's profiles (python -m "
                 "dostune.tune.validation_report --repredict): shapes the model was since changed for are not unseen"
                 if repredicted else ""), "",
-             "Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it, minutes "
+             "Iteration and step: the median relative error over the model's rows, and the median absolute error "
+             "(ms). Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it, minutes "
              "before on the same host. Every row of that model holds a move of that size, whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
                 "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
@@ -97,8 +104,9 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")
              + ("---|" if apart else "") + ("---|" if swing else "")]
     for r in rows:
-        line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | {_pct(r['iter'])} | "
-                f"{_pct(r['step'])} | {_pct(r['bwd'])} | {'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
+        line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | "
+                f"{_pct_ms(r['iter'], r.get('iter_s'))} | {_pct_ms(r['step'], r.get('step_s'))} | {_pct(r['bwd'])} | "
+                f"{'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
         if steal:
             line += f" {_pct(r['steal'][0])} / {_pct(r['steal'][1])} |"
         if aside:
