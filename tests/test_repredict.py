@@ -17,7 +17,7 @@ from dostune.tune.validation_report import load, main, markdown, summarize
 from test_validate import FakeBench
 
 ROOT = Path(__file__).resolve().parents[1]
-HELD_OUT = sorted(ROOT.glob("results/h*/heldout*/*_*b.json"))  # H100s, and the thirty-first set an H200
+HELD_OUT = sorted(ROOT.glob("results/h*/heldout*/*_*b.json"))  # H100s; the thirty-first set on, H200s
 
 
 @pytest.fixture(autouse=True)
