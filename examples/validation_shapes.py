@@ -90,6 +90,11 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the thirty-second (gpt2_0_86b, llama_0_91b), added before any run of them, at 0.86-0.91B, on an H200 with the
   model as it is; gpt2_0_86b deep and narrow (33 layers of width 1408, 11 heads of width 128), llama_0_91b with 30
   layers of width 1600 and 5 key-value heads of 25; validated (results/h200/heldout-32/).
+* the thirty-third (gpt2_3_4b, llama_3_4b), added before any run of them, at about 3.4B, at micro-batch 16 with
+  activation checkpointing, with the model as it is: the first held-out set of that size and micro-batch on the
+  leaf-block engine (docs/experiments.md, section 30 saw the GPU set the pace there on the hooked one); gpt2_3_4b
+  deep (42 layers of width 2560, 20 heads of width 128), llama_3_4b with 32 layers of width 3072 and 8 key-value
+  heads of 24.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -269,6 +274,10 @@ SHAPES = {
     "gpt2_0_86b": DecoderConfig("gpt2", layers=33, hidden=1408, heads=11, vocab=50304, max_positions=1024),
     "llama_0_91b": DecoderConfig("llama", layers=30, hidden=1600, heads=25, vocab=32000, max_positions=2048, ffn=4352,
                                  kv_heads=5),
+    # the thirty-third set, at micro-batch 16 with activation checkpointing
+    "gpt2_3_4b": DecoderConfig("gpt2", layers=42, hidden=2560, heads=20, vocab=50304, max_positions=1024),
+    "llama_3_4b": DecoderConfig("llama", layers=32, hidden=3072, heads=24, vocab=32000, max_positions=4096, ffn=8192,
+                                kv_heads=8),
 }
 
 
