@@ -94,7 +94,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing, with the model as it is: the first held-out set of that size and micro-batch on the
   leaf-block engine (docs/experiments.md, section 30 saw the GPU set the pace there on the hooked one); gpt2_3_4b
   deep (42 layers of width 2560, 20 heads of width 128), llama_3_4b with 32 layers of width 3072 and 8 key-value
-  heads of 24.
+  heads of 24; validated with one round per method (results/h200/heldout-33/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
