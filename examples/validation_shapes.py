@@ -92,7 +92,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   layers of width 1600 and 5 key-value heads of 25; validated (results/h200/heldout-32/).
 * the thirty-third (gpt2_3_4b, llama_3_4b), added before any run of them, at about 3.4B, at micro-batch 16 with
   activation checkpointing, with the model as it is: the first held-out set of that size and micro-batch on the
-  leaf-block engine (docs/experiments.md, section 30 saw the GPU set the pace there on the hooked one); gpt2_3_4b
+  leaf-block engine, where docs/experiments.md, section 30, saw the GPU set the pace on the hooked one; gpt2_3_4b
   deep (42 layers of width 2560, 20 heads of width 128), llama_3_4b with 32 layers of width 3072 and 8 key-value
   heads of 24; validated with one round per method (results/h200/heldout-33/).
 
