@@ -105,7 +105,7 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
              + ("---|" if apart else "") + ("---|" if swing else "")]
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | "
-                f"{_pct_ms(r['iter'], r.get('iter_s'))} | {_pct_ms(r['step'], r.get('step_s'))} | {_pct(r['bwd'])} | "
+                f"{_pct_ms(r['iter'], r['iter_s'])} | {_pct_ms(r['step'], r['step_s'])} | {_pct(r['bwd'])} | "
                 f"{'yes' if r['ok'] else 'NO'} | {_ratio(r['drift'])} |")
         if steal:
             line += f" {_pct(r['steal'][0])} / {_pct(r['steal'][1])} |"
