@@ -95,6 +95,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   leaf-block engine, where docs/experiments.md, section 30, saw the GPU set the pace on the hooked one; gpt2_3_4b
   deep (42 layers of width 2560, 20 heads of width 128), llama_3_4b with 32 layers of width 3072 and 8 key-value
   heads of 24; validated with one round per method (results/h200/heldout-33/).
+* the thirty-fourth (gpt2_5_1b, llama_5_3b), added before any run of them, at 5.1-5.3B, at micro-batch 16 with
+  activation checkpointing, with the model as it is: the first GPT-2 above 4.1B; gpt2_5_1b with 44 layers of width
+  3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -278,6 +281,10 @@ SHAPES = {
     "gpt2_3_4b": DecoderConfig("gpt2", layers=42, hidden=2560, heads=20, vocab=50304, max_positions=1024),
     "llama_3_4b": DecoderConfig("llama", layers=32, hidden=3072, heads=24, vocab=32000, max_positions=4096, ffn=8192,
                                 kv_heads=8),
+    # the thirty-fourth set, at micro-batch 16 with activation checkpointing
+    "gpt2_5_1b": DecoderConfig("gpt2", layers=44, hidden=3072, heads=24, vocab=50304, max_positions=1024),
+    "llama_5_3b": DecoderConfig("llama", layers=38, hidden=3584, heads=28, vocab=32000, max_positions=4096, ffn=9728,
+                                kv_heads=4),
 }
 
 
