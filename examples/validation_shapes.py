@@ -97,7 +97,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   heads of 24; validated with one round per method (results/h200/heldout-33/).
 * the thirty-fourth (gpt2_5_1b, llama_5_3b), added before any run of them, at 5.1-5.3B, at micro-batch 16 with
   activation checkpointing, with the model as it is: the first GPT-2 above 4.1B; gpt2_5_1b with 44 layers of width
-  3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28.
+  3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28; gpt2_5_1b
+  validated with one round per method, from profiles taken on another machine of the same kind
+  (results/h200/heldout-34/); llama_5_3b not run yet.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
