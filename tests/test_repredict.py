@@ -123,16 +123,16 @@ def test_todays_model_on_every_held_out_validation(held_out):
             [x for v in zo_then for x in (v.predicted_iter_s, v.predicted_step_s)], rel=1e-6), then.model
     rows = [r for r in summarize([now for _, now in held_out]) if r["method"] == "dostune"]
     # what today's model achieves on the 86 shapes of the held-out sets (docs/performance-model.md): 39 within both
-    # bounds, medians 7.9% and 18.8% (16.3% on the 63 before the twenty-fifth set, whose two steps missed; the model
-    # did not change; the twenty-sixth set's three missed, two in the iteration, llama_1_16b in the step; the
-    # twenty-seventh set's llama_1_15b missed both and gpt2_1_16b the step, which moved the step's median from 17.9%
-    # to 18.3%; the twenty-eighth set's llama_0_81b missed the step, which moved it to 18.7%, and the twenty-ninth
-    # set's three missed, llama_0_89b in both, the other two in the step, which moved it to 18.8%; of the thirtieth
-    # set's three, gpt2_0_94b missed both and gpt2_0_91b the step, which left it at 18.8%, as did the thirty-first
-    # set's llama_0_92b, which missed the step on an H200, the thirty-second set's llama_0_91b, which missed both
-    # there, and the thirty-third set's llama_3_4b, which missed the step at micro-batch 16, the model unchanged each
-    # time; the thirty-fourth set's gpt2_5_1b was within both); a change of the model that does worse on them fails here, so no shape in these sets is unseen by a model
-    # changed after it was added
+    # bounds, medians 7.9% and 18.8% (16.3% on the 63 before the twenty-fifth set, whose two steps missed; the model did
+    # not change; the twenty-sixth set's three missed, two in the iteration, llama_1_16b in the step; the twenty-seventh
+    # set's llama_1_15b missed both and gpt2_1_16b the step, which moved the step's median from 17.9% to 18.3%; the
+    # twenty-eighth set's llama_0_81b missed the step, which moved it to 18.7%, and the twenty-ninth set's three missed,
+    # llama_0_89b in both, the other two in the step, which moved it to 18.8%; of the thirtieth set's three, gpt2_0_94b
+    # missed both and gpt2_0_91b the step, which left it at 18.8%, as did the thirty-first set's llama_0_92b, which
+    # missed the step on an H200, the thirty-second set's llama_0_91b, which missed both there, and the thirty-third
+    # set's llama_3_4b, which missed the step at micro-batch 16, the model unchanged each time; the thirty-fourth set's
+    # gpt2_5_1b was within both); a change of the model that does worse on them fails here, so no shape in these sets is
+    # unseen by a model changed after it was added
     assert sum(r["ok"] for r in rows) >= 30
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.19
