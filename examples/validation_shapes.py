@@ -100,6 +100,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28; gpt2_5_1b
   validated with one round per method, from profiles taken on another machine of the same kind
   (results/h200/heldout-34/); llama_5_3b not run yet.
+* the thirty-fifth (gpt2_5_6b), added before any run of it, at 5.6B, at micro-batch 16 with activation checkpointing,
+  with the model as it is: 38 layers of width 3456, 27 heads of width 128; not run yet.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -287,6 +289,8 @@ SHAPES = {
     "gpt2_5_1b": DecoderConfig("gpt2", layers=44, hidden=3072, heads=24, vocab=50304, max_positions=1024),
     "llama_5_3b": DecoderConfig("llama", layers=38, hidden=3584, heads=28, vocab=32000, max_positions=4096, ffn=9728,
                                 kv_heads=4),
+    # the thirty-fifth set, at micro-batch 16 with activation checkpointing
+    "gpt2_5_6b": DecoderConfig("gpt2", layers=38, hidden=3456, heads=27, vocab=50304, max_positions=1024),
 }
 
 
