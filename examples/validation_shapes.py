@@ -99,9 +99,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing, with the model as it is: the first GPT-2 above 4.1B; gpt2_5_1b with 44 layers of width
   3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28; gpt2_5_1b
   validated with one round per method, from profiles taken on another machine of the same kind
-  (results/h200/heldout-34/); llama_5_3b not run yet.
+  (results/h200/heldout-34/); llama_5_3b validated there too, on a third machine with its own profiles.
 * the thirty-fifth (gpt2_5_6b), added before any run of it, at 5.6B, at micro-batch 16 with activation checkpointing,
-  with the model as it is: 38 layers of width 3456, 27 heads of width 128; not run yet.
+  with the model as it is: 38 layers of width 3456, 27 heads of width 128; profiled once, its validation lost with the
+  machine it ran on, so not validated yet.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
