@@ -46,7 +46,7 @@ def test_the_committed_validations_find_the_profiles_of_their_machine():
     (results/README.md names which machine profiled which model). heldout-26's gpt2_1_42b was profiled before its
     machine's node profile, node-b.json, which was taken before its tune; its llama_1_16b ran on a third machine.
     heldout-28's llama_0_81b ran after the node was profiled again, on the machine of the set's other two.
-    heldout-34's llama_5_3b ran on a second machine, whose node profile is node-b.json."""
+    heldout-34's llama_5_3b ran on another machine than gpt2_5_1b, whose node profile is node-b.json."""
     h = ROOT / "results" / "h100"
     for tune_json, node in (("heldout-3/llama_3_8b.json", "node-a.json"), ("heldout-3/gpt2_2_4b.json", "node-b.json"),
                             ("heldout-2/llama_4_5b.json", "node-c.json"), ("heldout-4/gpt2_3_3b.json", "node-b.json"),
