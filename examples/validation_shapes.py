@@ -100,9 +100,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   3072 and 24 heads of width 128, llama_5_3b with 38 layers of width 3584 and 4 key-value heads of 28; gpt2_5_1b
   validated with one round per method, from profiles taken on another machine of the same kind
   (results/h200/heldout-34/); llama_5_3b validated there too, on a third machine with its own profiles.
-* the thirty-fifth (gpt2_5_6b), added before any run of it, at 5.6B, at micro-batch 16 with activation checkpointing,
-  with the model as it is: 38 layers of width 3456, 27 heads of width 128; profiled once, its validation lost with the
-  machine it ran on, so not validated yet.
+* the thirty-fifth (gpt2_5_6b, gpt2_6_3b), added before any run of them, at 5.6-6.4B, at micro-batch 16 with
+  activation checkpointing, with the model as it is: gpt2_5_6b with 38 layers of width 3456, 27 heads of width 128,
+  profiled once, its validation lost with the machine it ran on; gpt2_6_3b (6.35B, the largest GPT-2 here) with 40
+  layers of width 3584, 28 heads of width 128, added after that loss and before any run of it. Not validated yet.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -292,6 +293,7 @@ SHAPES = {
                                 kv_heads=4),
     # the thirty-fifth set, at micro-batch 16 with activation checkpointing
     "gpt2_5_6b": DecoderConfig("gpt2", layers=38, hidden=3456, heads=27, vocab=50304, max_positions=1024),
+    "gpt2_6_3b": DecoderConfig("gpt2", layers=40, hidden=3584, heads=28, vocab=50304, max_positions=1024),
 }
 
 
