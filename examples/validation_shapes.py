@@ -102,8 +102,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   (results/h200/heldout-34/); llama_5_3b validated there too, on a third machine with its own profiles.
 * the thirty-fifth (gpt2_5_6b, gpt2_6_3b), added before any run of them, at 5.6-6.4B, at micro-batch 16 with
   activation checkpointing, with the model as it is: gpt2_5_6b with 38 layers of width 3456, 27 heads of width 128,
-  profiled once, its validation lost with the machine it ran on; gpt2_6_3b (6.35B, the largest GPT-2 here) with 40
-  layers of width 3584, 28 heads of width 128, added after that loss and before any run of it. Not validated yet.
+  profiled once, its validation lost with the machine it ran on, then validated on another machine of the same kind
+  from those two profiles; gpt2_6_3b (6.35B, the largest GPT-2 here) with 40 layers of width 3584, 28 heads of width
+  128, added after that loss and before any run of it, validated on a third machine with its own profiles; one round
+  per method (results/h200/heldout-35/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
