@@ -106,6 +106,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   from those two profiles; gpt2_6_3b (6.35B, the largest GPT-2 here) with 40 layers of width 3584, 28 heads of width
   128, added after that loss and before any run of it, validated on a third machine with its own profiles; one round
   per method (results/h200/heldout-35/).
+* the thirty-sixth (llama_6_2b), added before any run of it, at 6.2B, at micro-batch 16 with activation
+  checkpointing, with the model as it is: the first LLaMA above 5.3B measured on an H200, 34 layers of width 4096 and
+  8 key-value heads of 32.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -296,6 +299,9 @@ SHAPES = {
     # the thirty-fifth set, at micro-batch 16 with activation checkpointing
     "gpt2_5_6b": DecoderConfig("gpt2", layers=38, hidden=3456, heads=27, vocab=50304, max_positions=1024),
     "gpt2_6_3b": DecoderConfig("gpt2", layers=40, hidden=3584, heads=28, vocab=50304, max_positions=1024),
+    # the thirty-sixth set, at micro-batch 16 with activation checkpointing
+    "llama_6_2b": DecoderConfig("llama", layers=34, hidden=4096, heads=32, vocab=32000, max_positions=4096, ffn=10880,
+                                kv_heads=8),
 }
 
 
