@@ -27,6 +27,22 @@ def test_llama_7b_on_a_125_gib_host_runs_zero_offload_without_pinning_and_dostun
         fit_host_memory("zero-offload", OffloadSettings(sub_group_size=100_000_000), numels, "bf16", 100 * GiB)
 
 
+def test_pinned_buffers_that_would_leave_the_host_no_room_are_not_pinned():
+    # measured on an H200 host (125 GiB): the model profile's ZeRO-Offload of llama_6_2b, its pinned buffers estimated
+    # at 122.7 GiB, filled the host and was killed by the OOM killer; gpt2_6_3b's (120.0 GiB) had run
+    for shape, pinned in (("llama_6_2b", "123"), ("gpt2_6_3b", "120")):
+        numels = param_numels(resolve_model(f"examples.validation_shapes:{shape}"))
+        zo, note = fit_host_memory("zero-offload", OffloadSettings(sub_group_size=100_000_000), numels, "bf16",
+                                   124 * GiB)
+        assert not zo.pin_memory
+        assert note == (f"pin_memory false: pinned it needs about {pinned} GiB of host memory, 124 GiB are "
+                        "available, of which it may take 95%")
+    # what needs more than 95% of the host is not started at all: gpt2_6_3b unpinned, 108.5 GiB of 110
+    with pytest.raises(DostuneError, match=r"needs about 108.5 GiB .*\(120.0 pinned\), 110.0 GiB are available, of "
+                                           r"which it may take 95%"):
+        fit_host_memory("zero-offload", OffloadSettings(sub_group_size=100_000_000), numels, "bf16", 110 * GiB)
+
+
 def test_a_host_with_room_keeps_every_method_as_it_is():
     numels = param_numels(resolve_model("gpt2-1.3b"))
     for off in (OffloadSettings(), OffloadSettings(ratio=0.5), OffloadSettings(ratio=0.0)):
