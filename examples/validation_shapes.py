@@ -108,7 +108,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   per method (results/h200/heldout-35/).
 * the thirty-sixth (llama_6_2b), added before any run of it, at 6.2B, at micro-batch 16 with activation
   checkpointing, with the model as it is: the first LLaMA above 5.3B measured on an H200, 34 layers of width 4096 and
-  8 key-value heads of 32.
+  8 key-value heads of 32; its first model profile was killed by the OOM killer with ZeRO-Offload's buffers pinned,
+  then it was profiled and validated on another machine of the same kind with them unpinned, one round per method
+  (results/h200/heldout-36/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
