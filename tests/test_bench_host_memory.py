@@ -37,7 +37,7 @@ def test_pinned_buffers_that_would_leave_the_host_no_room_are_not_pinned():
         assert not zo.pin_memory
         assert note == (f"pin_memory false: pinned it needs about {pinned} GiB of host memory, 124 GiB are "
                         "available, of which it may take 95%")
-    # what needs more than 95% of the host is not started at all: gpt2_6_3b unpinned, 108.5 GiB of 110
+    # what needs more than 95% of the available memory is not started at all: gpt2_6_3b unpinned, 108.5 GiB of 110
     with pytest.raises(DostuneError, match=r"needs about 108.5 GiB .*\(120.0 pinned\), 110.0 GiB are available, of "
                                            r"which it may take 95%"):
         fit_host_memory("zero-offload", OffloadSettings(sub_group_size=100_000_000), numels, "bf16", 110 * GiB)
