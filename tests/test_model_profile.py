@@ -77,7 +77,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 10 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 11 and prof.offload_pin_memory is True and prof.offload_pinned
     assert prof.step_lane is None  # v10: measured beside copies, so only on a GPU (tests/test_profile_gpu.py)
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
@@ -115,6 +115,30 @@ def test_schema_3_measures_the_models_coefficients(prof):
     c = Coefficients.of(NodeInputs.from_profile(load_node_profile(shipped_profile())), m, sizes)
     assert not [n for n in c.notes if "re-profile the model" in n]
     assert c.backward.compute_s == prof.backward_no_copy_s.median
+
+
+def test_schema_11_times_the_step_again_after_the_probes(prof):
+    """A second window of timed iterations after the backward probes (StepWindow); the model takes the mean of the two
+    windows' step, step overhead and CPU Adam and unscale rates, and a profile without it the first window's alone."""
+    from dostune.perfmodel.inputs import ModelInputs
+
+    later = prof.later_window
+    # after the probes' 2 s, each window as many kept iterations as --iters; the fixture's host stole from the first
+    # run of each window, which was set aside and run again
+    assert later.after_s > prof.probe_seconds and later.step_s.n == 2 and later.step_s.median > 0
+    assert later.set_aside.runs == 1 and later.set_aside.steal == [0.5]
+    sizes = [s.numel for s in prof.subgroups]
+    assert [p.size for p in later.ds_cpu_adam.points] == sizes and [p.size for p in later.ds_unscale.points] == sizes
+    assert all(p.seconds.n == 2 for p in later.ds_cpu_adam.points) and later.step_overhead_s > 0
+    both = ModelInputs.from_profile(prof)
+    assert both.ds_step_s == pytest.approx((prof.phases["step"].time_s.median + later.step_s.median) / 2)
+    assert both.step_overhead_s == pytest.approx((prof.step_overhead_s + later.step_overhead_s) / 2)
+    for merged, a, b in zip(both.ds_cpu_adam.points, prof.ds_cpu_adam.points, later.ds_cpu_adam.points):
+        assert merged.size == a.size and merged.seconds.median == pytest.approx((a.seconds.median + b.seconds.median) / 2)
+        assert merged.seconds.n == 4
+    first = ModelInputs.from_profile(prof.model_copy(update={"later_window": None}))
+    assert first.ds_step_s == prof.phases["step"].time_s.median and first.step_overhead_s == prof.step_overhead_s
+    assert first.ds_cpu_adam == prof.ds_cpu_adam and first.ds_unscale == prof.ds_unscale
 
 
 def test_the_probes_rounds_fill_their_seconds_and_every_rank_runs_the_most_any_needs():

@@ -93,10 +93,12 @@ def profile(
     forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
     subgroup's gradients become final in backward, and PCIe traffic per phase; then backward's probes (without
     the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds (a
-    minute on a GPU), so that a few slow seconds of the host do not set the prediction; last, on a GPU, the CPU
-    lane as the step runs it (from memory, alone and beside copies both ways; a few seconds). It is written to its own
-    file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node. For several GPUs or nodes run it under
-    DeepSpeed's launcher, as training will run (default name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
+    minute on a GPU), so that a few slow seconds of the host do not set the prediction; then --iters iterations
+    timed again, a second draw of the step, whose speed wanders with the host's (the model takes the mean of the
+    two); last, on a GPU, the CPU lane as the step runs it (from memory, alone and beside copies both ways; a few
+    seconds). It is written to its own file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.
+    For several GPUs or nodes run it under DeepSpeed's launcher, as training will run (default name
+    NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
       deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b --name mynode
 
     Examples:
@@ -193,6 +195,10 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
                       f"{max(s.numel for s in prof.subgroups) / 1e6:.1f}M elements; optimizer state "
                       f"{prof.optimizer_state_bytes / 2**30:.1f} GiB on the host; gradients final between "
                       + (f"{min(ready):.3f} and {max(ready):.3f} s into backward" if ready else "(not recorded)"))
+    if prof.later_window is not None:
+        later = prof.later_window
+        err_console.print(f"ZeRO-Offload's step: {prof.phases['step'].time_s.median:.3f} s, and "
+                          f"{later.step_s.median:.3f} s timed again {later.after_s:.0f} s later (the model takes the mean)")
     if prof.step_lane is not None:
         err_console.print(prof.step_lane.describe())
     for note in prof.notes:

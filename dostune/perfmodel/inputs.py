@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import ProfileError
 from ..profile.model_record import ModelProfile
-from ..profile.record import LinearCost, NodeProfile, Series
+from ..profile.record import LinearCost, NodeProfile, Sample, Series, fit_series
+from ..stats import Stat
 from ..profile.step_parts import prologue_shares
 
 
@@ -132,6 +133,21 @@ def timed_backward(m: ModelProfile) -> float:
     return sum(rest) / len(rest)
 
 
+def _mean(first: float, later: Optional[float]) -> float:
+    return first if later is None else (first + later) / 2
+
+
+def _mean_series(first: Optional[Series], later: Optional[Series]) -> Optional[Series]:
+    """``first`` with each point's median the mean of its two windows' (the same subgroups, in order), refitted."""
+    if first is None or later is None or [p.size for p in first.points] != [p.size for p in later.points]:
+        return first
+    points = [Sample(size=a.size, threads=a.threads,
+                     seconds=Stat(median=(a.seconds.median + b.seconds.median) / 2, lo=min(a.seconds.lo, b.seconds.lo),
+                                  hi=max(a.seconds.hi, b.seconds.hi), n=a.seconds.n + b.seconds.n))
+              for a, b in zip(first.points, later.points)]
+    return fit_series(first.unit, points)
+
+
 class ModelInputs(BaseModel):
     """What the model profile contributes (None fields when only the node profile is known, or when a profile older
     than schema 3 did not measure them: coefficients.py then says what stands in)."""
@@ -174,14 +190,19 @@ class ModelInputs(BaseModel):
 
     @classmethod
     def from_profile(cls, m: ModelProfile) -> "ModelInputs":
+        """The model profile's figures; ZeRO-Offload's step, its overhead and its CPU Adam and unscale rates are each
+        the mean of the two windows' draws where the profile timed the step twice (schema 11, StepWindow)."""
         ph = m.phases
+        later = m.later_window
         bwd = timed_backward(m)
         traffic = m.pcie.get("bwd") if m.pcie else None
         lane, step_lane = m.backward_lane, m.step_lane
         return cls(model=m.model, params=m.params, profile_schema=m.schema_version, precision=m.precision,
                    fwd_s=(m.probe_forward_s or ph["fwd"].time_s).median, bwd_s=bwd,
-                   ds_step_s=ph["step"].time_s.median, ds_sub_group_size=m.sub_group_size,
-                   step_overhead_s=m.step_overhead_s,
+                   ds_step_s=_mean(ph["step"].time_s.median, None if later is None else later.step_s.median),
+                   ds_sub_group_size=m.sub_group_size,
+                   step_overhead_s=m.step_overhead_s if m.step_overhead_s is None else
+                   _mean(m.step_overhead_s, None if later is None else later.step_overhead_s),
                    peak_fwd_gib=ph["fwd"].peak_allocated_gib, peak_bwd_gib=ph["bwd"].peak_allocated_gib,
                    peak_step_gib=ph["step"].peak_allocated_gib, free_step_gib=ph["step"].free_gib,
                    gpu_total_gib=m.gpu_total_gib, offload_pinned=m.offload_pinned,
@@ -198,7 +219,8 @@ class ModelInputs(BaseModel):
                    lane_step_copies_slowdown=step_lane.copies_slowdown if step_lane is not None else None,
                    lane_step_copies_gbps=step_lane.h2d_gbps + step_lane.d2h_gbps if step_lane is not None else None,
                    step_shares=prologue_shares(m.step_parts_s),
-                   ds_cpu_adam=m.ds_cpu_adam, ds_unscale=m.ds_unscale)
+                   ds_cpu_adam=_mean_series(m.ds_cpu_adam, None if later is None else later.ds_cpu_adam),
+                   ds_unscale=_mean_series(m.ds_unscale, None if later is None else later.ds_unscale))
 
     @property
     def offload_peak_gib(self) -> Optional[float]:

@@ -3,7 +3,8 @@
 Measures forward / backward / step times, a memory timeline sampled at module boundaries (forward hooks,
 and gradient hooks in backward), when each optimizer subgroup's gradients become final during backward,
 PCIe traffic per phase from NVML's counters, DeepSpeed's step by part (step_parts.py), and after the timed
-iterations backward without the gradient copies, alone and beside dostune's CPU-lane kernel (backward_probes.py).
+iterations backward without the gradient copies, alone and beside dostune's CPU-lane kernel (backward_probes.py); then
+the step timed again in a second window (model_record.StepWindow).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from . import identity
 from .backward_probes import measure_backward_probes
 from .step_lane import measure_step_lane
 from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
-                           SubgroupProfile, WorldRecord, slowest_phases)
+                           StepWindow, SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
 from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
@@ -246,9 +247,9 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
 
-    def iteration(timed: bool = False, last: bool = False) -> tuple[dict[str, float], int, float]:
+    def iteration(timed: bool = False, last: bool = False, peak: bool = True) -> tuple[dict[str, float], int, float]:
         """One iteration: its phases' seconds, its place among StepParts' closed steps and its step overhead (-1 and
-        0 untimed)."""
+        0 untimed); ``peak``: a timed one counts towards the phases' memory peaks."""
         nonlocal backward_s
         batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
         sync_device()
@@ -279,7 +280,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                 if ph == "step":
                     step_overhead = overhead.close(dt)
                     closed = len(overhead.steps) - 1
-                if cuda:
+                if cuda and peak:
                     peaks[ph] = max(peaks[ph], torch.cuda.max_memory_allocated() / GiB)
                     peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
         rec.active = False
@@ -288,16 +289,22 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
 
     # iterations the hypervisor took from are set aside and run again (QuietRuns): every rate the model takes from
     # this profile is then the machine's own, as the runs checked against it keep theirs
-    timed_runs = QuietRuns(opts.iters, gather=gather_ranks, on_set_aside=lambda share, left: progress.start(
-        f"{opts.model}: an iteration set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} "
-        "more", left + 1))
+    def quiet_runs() -> QuietRuns:
+        return QuietRuns(opts.iters, gather=gather_ranks, on_set_aside=lambda share, left: progress.start(
+            f"{opts.model}: an iteration set aside: the hypervisor took {share:.1%} of the CPU (steal); at most {left} "
+            "more", left + 1))
+
+    timed_runs = quiet_runs()
     try:
         for _ in range(opts.warmup):
             iteration()
         while timed_runs.more():
             timed_runs.start()
             timed_runs.stop(iteration(timed=True))
+        first_end = time.perf_counter()
         iteration(last=True)
+        if pcie:  # the traffic of the iterations above alone: the probes and the later window leave its phase label
+            pcie.stop_flag.set()
         kept = timed_runs.kept()
         times = {ph: [secs[ph] for secs, _, _ in kept] for ph in peaks}
         overheads = [o for _, _, o in kept]
@@ -325,6 +332,26 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         probes = measure_backward_probes(opt, backward_pass, opts.iters, lane_elements, half, progress,
                                          gather=gather_ranks, seconds=probe_seconds)
         notes += probes.notes
+        # The step again, after the probes: a second draw of the host's speed (StepWindow). One untimed iteration first:
+        # the probes' backward passes left gradients that no step took, which its step takes (and their memory peaks
+        # are not the training's, so these iterations count towards none).
+        progress.start(f"{opts.model}: 1 warm-up + {opts.iters} iterations timed again, the step's second window",
+                       opts.iters + 1)
+        iteration()
+        later_runs = quiet_runs()
+        after_s = time.perf_counter() - first_end
+        while later_runs.more():
+            later_runs.start()
+            later_runs.stop(iteration(timed=True, peak=False))
+        later = later_runs.kept()
+        overhead.keep_steps([closed for _, closed, _ in later])
+        _, later_adam, later_unscale = overhead.summary([s.numel for s in subgroups])
+        # under the launcher the slowest rank's step, as the first window's phases
+        later_step = max(gather_ranks(Stat.of([secs["step"] for secs, _, _ in later])), key=lambda t: t.median)
+        later_window = StepWindow(after_s=round(after_s, 3), step_s=later_step,
+                                  step_overhead_s=max(gather_ranks(Stat.of([o for _, _, o in later]).median)),
+                                  ds_cpu_adam=later_adam, ds_unscale=later_unscale, steal=later_runs.share,
+                                  set_aside=later_runs.set_aside())
     finally:
         for h in handles:
             h.remove()
@@ -385,7 +412,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         backward_no_copy_s=probes.no_copy, backward_lane=probes.lane, backward_pinned_copy=probes.pinned_copy,
         step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, steal=timed_runs.share,
         set_aside=timed_runs.set_aside(), probes_set_aside=probes.set_aside, probe_seconds=probe_seconds,
-        probe_forward_s=probes.forward, probe_rounds=probes.rounds, step_lane=step_lane, notes=notes)
+        probe_forward_s=probes.forward, probe_rounds=probes.rounds, step_lane=step_lane, later_window=later_window,
+        notes=notes)
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

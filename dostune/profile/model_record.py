@@ -33,8 +33,10 @@ from .record import Series
 # 29); such profiles are not read.
 # 10: step_lane (the CPU lane as the step runs it: from memory, alone and beside page-locked copies both ways; on a
 # GPU). Older profiles load with none: the model takes the step's lane from the backward probes' reading then.
-MODEL_SCHEMA_VERSION = 10
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10)
+# 11: later_window (ZeRO-Offload's step timed again after the backward probes, a second draw of the host's speed).
+# Older profiles load with none: the model takes the step from the first timed iterations alone then.
+MODEL_SCHEMA_VERSION = 11
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11)
 MODEL_KIND = "dostune.model-profile"
 PHASES = ("fwd", "bwd", "step")
 
@@ -139,6 +141,21 @@ class ProbeRound(Record):
     lane_update_s: Optional[float] = None  # the median lane update inside that backward
 
 
+class StepWindow(Record):
+    """ZeRO-Offload's step timed again in later iterations of the same engine, after the backward probes (a minute or
+    more after the first timed iterations on a GPU): a second draw of the host's speed. One process's step moved by
+    13% between windows minutes apart (docs/experiments.md, section 36), and both methods' predicted steps lean on it
+    (the measured step, CPU Adam's in-situ rate, the step overhead); the model takes the mean of the two draws."""
+
+    after_s: float = Field(ge=0)  # seconds from the end of the first timed iterations to this window's first
+    step_s: Stat  # the kept iterations' steps
+    step_overhead_s: float  # their median overhead (as ModelProfile.step_overhead_s)
+    ds_cpu_adam: Optional[Series] = None  # as ModelProfile.ds_cpu_adam, over this window's steps
+    ds_unscale: Optional[Series] = None
+    steal: Optional[float] = None
+    set_aside: Optional[SetAside] = None
+
+
 class WorldRecord(Record):
     """The world a model profile was measured in: one rank per GPU."""
 
@@ -215,6 +232,8 @@ class ModelProfile(Record):
     probe_forward_s: Optional[Stat] = None
     probe_rounds: list[ProbeRound] = Field(default_factory=list)
     step_lane: Optional[StepLaneProfile] = None  # v10, on a GPU (step_lane.py)
+    # v11. The step timed again after the backward probes (one rank's; under the launcher the slowest rank's step)
+    later_window: Optional[StepWindow] = None
     notes: list[str] = Field(default_factory=list)
 
     @property
