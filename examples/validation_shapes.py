@@ -111,6 +111,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   8 key-value heads of 32; its first model profile was killed by the OOM killer with ZeRO-Offload's buffers pinned,
   then it was profiled and validated on another machine of the same kind with them unpinned, one round per method
   (results/h200/heldout-36/).
+* the thirty-seventh (gpt2_3_9b, llama_4_07b), added before any run of them, at 3.9-4.1B, at micro-batch 16 with
+  activation checkpointing, the first profiled with ZeRO-Offload's step timed in a second window (model profile
+  schema 11): gpt2_3_9b with 36 layers of width 2944 and 23 heads of width 128, llama_4_07b with 34 layers of width
+  3328, 26 heads of width 128 and 2 key-value heads.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -304,6 +308,10 @@ SHAPES = {
     # the thirty-sixth set, at micro-batch 16 with activation checkpointing
     "llama_6_2b": DecoderConfig("llama", layers=34, hidden=4096, heads=32, vocab=32000, max_positions=4096, ffn=10880,
                                 kv_heads=8),
+    # the thirty-seventh set, at micro-batch 16 with activation checkpointing
+    "gpt2_3_9b": DecoderConfig("gpt2", layers=36, hidden=2944, heads=23, vocab=50304, max_positions=1024),
+    "llama_4_07b": DecoderConfig("llama", layers=34, hidden=3328, heads=26, vocab=32000, max_positions=4096, ffn=8960,
+                                 kv_heads=2),
 }
 
 
