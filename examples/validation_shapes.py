@@ -114,7 +114,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the thirty-seventh (gpt2_3_9b, llama_4_07b), added before any run of them, at 3.9-4.1B, at micro-batch 16 with
   activation checkpointing, the first profiled with ZeRO-Offload's step timed in a second window (model profile
   schema 11): gpt2_3_9b with 36 layers of width 2944 and 23 heads of width 128, llama_4_07b with 34 layers of width
-  3328, 26 heads of width 128 and 2 key-value heads.
+  3328, 26 heads of width 128 and 2 key-value heads; profiled and validated on one H200, one round per method
+  (results/h200/heldout-37/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
