@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ProfileError
 from ..profile.model_record import ModelProfile
 from ..profile.record import LinearCost, NodeProfile, Sample, Series, fit_series
-from ..stats import Stat
 from ..profile.step_parts import prologue_shares
+from ..stats import Stat
 
 
 class Cost(BaseModel):

@@ -143,9 +143,10 @@ class ProbeRound(Record):
 
 class StepWindow(Record):
     """ZeRO-Offload's step timed again in later iterations of the same engine, after the backward probes (a minute or
-    more after the first timed iterations on a GPU): a second draw of the host's speed. One process's step moved by
-    13% between windows minutes apart (docs/experiments.md, section 36), and both methods' predicted steps lean on it
-    (the measured step, CPU Adam's in-situ rate, the step overhead); the model takes the mean of the two draws."""
+    more after the first timed iterations on a GPU): a second draw of the host's speed. The step spread 13% over four
+    processes within nine minutes and moved as much within one (docs/experiments.md, sections 35 and 36), and both
+    methods' predicted steps lean on it (the measured step, CPU Adam's in-situ rate, the step overhead); the model
+    takes the mean of the two draws."""
 
     after_s: float = Field(ge=0)  # seconds from the end of the first timed iterations to this window's first
     step_s: Stat  # the kept iterations' steps
