@@ -313,6 +313,10 @@ SHAPES = {
     "gpt2_3_9b": DecoderConfig("gpt2", layers=36, hidden=2944, heads=23, vocab=50304, max_positions=1024),
     "llama_4_07b": DecoderConfig("llama", layers=34, hidden=3328, heads=26, vocab=32000, max_positions=4096, ffn=8960,
                                  kv_heads=2),
+    # the thirty-eighth set, at micro-batch 16 with activation checkpointing
+    "gpt2_2_91b": DecoderConfig("gpt2", layers=32, hidden=2688, heads=21, vocab=50304, max_positions=1024),
+    "llama_2_84b": DecoderConfig("llama", layers=30, hidden=2816, heads=22, vocab=32000, max_positions=4096, ffn=7680,
+                                 kv_heads=11),
 }
 
 
