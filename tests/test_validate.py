@@ -215,7 +215,8 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert res.median_error_s("step", "zero-offload") == pytest.approx(ms / 1e3)
     assert f"step {res.median_error('step', 'zero-offload'):.1%} ({ms:.0f} ms)" in out
     assert (f"host drift since the model profile: ZeRO-Offload ran {res.host_drift():.2f}x its profiled iteration "
-            f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size") in out
+            f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size (the host's, or one "
+            "process's against another's)") in out
     # the shipped model profile predates the steal; FakeBench's runs say 1% and 2%
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "

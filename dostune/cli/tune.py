@@ -223,10 +223,12 @@ def tune(
                                   highlight=False)
         drift, step_drift = res.host_drift("iter"), res.host_drift("step")
         if drift is not None:
-            # ZeRO-Offload's prediction is the model profile's measurement of it: its ratio is the host, not the model
+            # ZeRO-Offload's prediction is the model profile's measurement of it: its ratio is the host (and how one
+            # process's step differs from another's, docs/experiments.md sections 36 and 60), not the model
             step = f" (step {step_drift:.2f}x)" if step_drift is not None else ""
             err_console.print(f"host drift since the model profile: ZeRO-Offload ran {drift:.2f}x its profiled "
-                              f"iteration{step}; every error above holds a move of that size", highlight=False)
+                              f"iteration{step}; every error above holds a move of that size (the host's, or one "
+                              "process's against another's)", highlight=False)
         apart = [(m, res.round_spread("iter", m), res.round_spread("step", m)) for m in ("dostune", "zero-offload")]
         spreads = [f"{m} {it:.1%} / {st:.1%}" for m, it, st in apart if it is not None and st is not None]
         if spreads:

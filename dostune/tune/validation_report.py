@@ -87,8 +87,9 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
                 if repredicted else ""), "",
              "Iteration and step: the median relative error over the model's rows, and the median absolute error "
              "(ms). Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it: how far "
-             "the host moved since its profile, or, where the profile was taken on another machine, how far the two "
-             "differ. Every row of that model holds a move of that size, whatever the model."
+             "the host moved since its profile, with one process's spread against another's (docs/experiments.md, "
+             "sections 36 and 60), or, where the profile was taken on another machine, how far the two differ. Every "
+             "row of that model holds a move of that size, whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
                 "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
              + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each "
