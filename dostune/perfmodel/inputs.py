@@ -133,8 +133,9 @@ def timed_backward(m: ModelProfile) -> float:
     return sum(rest) / len(rest)
 
 
-def _mean(first: float, later: Optional[float]) -> float:
-    return first if later is None else (first + later) / 2
+def _mean(first: Optional[float], later: Optional[float]) -> Optional[float]:
+    """The two windows' mean; ``first`` alone where either is unknown."""
+    return first if first is None or later is None else (first + later) / 2
 
 
 def _mean_series(first: Optional[Series], later: Optional[Series]) -> Optional[Series]:
@@ -201,8 +202,7 @@ class ModelInputs(BaseModel):
                    fwd_s=(m.probe_forward_s or ph["fwd"].time_s).median, bwd_s=bwd,
                    ds_step_s=_mean(ph["step"].time_s.median, None if later is None else later.step_s.median),
                    ds_sub_group_size=m.sub_group_size,
-                   step_overhead_s=m.step_overhead_s if m.step_overhead_s is None else
-                   _mean(m.step_overhead_s, None if later is None else later.step_overhead_s),
+                   step_overhead_s=_mean(m.step_overhead_s, None if later is None else later.step_overhead_s),
                    peak_fwd_gib=ph["fwd"].peak_allocated_gib, peak_bwd_gib=ph["bwd"].peak_allocated_gib,
                    peak_step_gib=ph["step"].peak_allocated_gib, free_step_gib=ph["step"].free_gib,
                    gpu_total_gib=m.gpu_total_gib, offload_pinned=m.offload_pinned,
