@@ -120,6 +120,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing: gpt2_2_91b with 32 layers of width 2688 and 21 heads of width 128, llama_2_84b with 30
   layers of width 2816, 22 heads of width 128 and 11 key-value heads, an FFN of 7680; profiled and validated on one
   H200 with the model as it is, one round per method (results/h200/heldout-38/).
+* the thirty-ninth (gpt2_1_97b, llama_1_95b), added before any run of them, at about 2B, at micro-batch 16 with
+  activation checkpointing: gpt2_1_97b with 26 layers of width 2432 and 19 heads of width 128, llama_1_95b with 26
+  layers of width 2560, 20 heads of width 128 and 4 key-value heads, an FFN of 6912; to be profiled and validated on
+  one H200 with the model as it is, with `--validate`'s default two rounds per method.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -321,6 +325,10 @@ SHAPES = {
     "gpt2_2_91b": DecoderConfig("gpt2", layers=32, hidden=2688, heads=21, vocab=50304, max_positions=1024),
     "llama_2_84b": DecoderConfig("llama", layers=30, hidden=2816, heads=22, vocab=32000, max_positions=4096, ffn=7680,
                                  kv_heads=11),
+    # the thirty-ninth set, at micro-batch 16 with activation checkpointing
+    "gpt2_1_97b": DecoderConfig("gpt2", layers=26, hidden=2432, heads=19, vocab=50304, max_positions=1024),
+    "llama_1_95b": DecoderConfig("llama", layers=26, hidden=2560, heads=20, vocab=32000, max_positions=4096, ffn=6912,
+                                 kv_heads=4),
 }
 
 
