@@ -115,7 +115,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing, the first profiled with ZeRO-Offload's step timed in a second window (model profile
   schema 11): gpt2_3_9b with 36 layers of width 2944 and 23 heads of width 128, llama_4_07b with 34 layers of width
   3328, 26 heads of width 128 and 2 key-value heads; profiled and validated on one H200, one round per method
-  (results/h200/heldout-37/);
+  (results/h200/heldout-37/).
 * the thirty-eighth (gpt2_2_91b, llama_2_84b), added before any run of them, at 2.8-2.9B, at micro-batch 16 with
   activation checkpointing: gpt2_2_91b with 32 layers of width 2688 and 21 heads of width 128, llama_2_84b with 30
   layers of width 2816, 22 heads of width 128 and 11 key-value heads, an FFN of 7680; profiled and validated on one
