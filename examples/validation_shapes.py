@@ -128,7 +128,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the fortieth (gpt2_1_27b, llama_1_21b), added before any run of them, at 1.2-1.3B, at micro-batch 8, the first set
   checked against every earlier shape and preset for a repeated architecture (REPEATS): gpt2_1_27b with 18 layers of
   width 2304 and 18 heads of width 128, llama_1_21b with 15 layers of width 2560, 20 heads of width 128 and 5 key-value
-  heads, an FFN of 6912.
+  heads, an FFN of 6912; gpt2_1_27b profiled twice on one H200 and validated on another from the first profile,
+  llama_1_21b profiled and validated on a third, with the model as it is (results/h200/heldout-40/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
