@@ -124,7 +124,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   checkpointing: 26 layers of width 2560, 20 heads of width 128 and 4 key-value heads, an FFN of 6912; profiled on one
   H200 with the model as it is and validated on another from those profiles, one round per method
   (results/h200/heldout-39/). It was registered with gpt2_1_97b, whose validation did not finish and which has been
-  taken out since: it was gpt2_2_0b's architecture under another name, as llama_1_95b is llama_2b's (see REPEATS);
+  taken out since: it was gpt2_2_0b's architecture under another name, as llama_1_95b is llama_2b's (see REPEATS).
 * the fortieth (gpt2_1_27b, llama_1_21b), added before any run of them, at 1.2-1.3B, at micro-batch 8, the first set
   checked against every earlier shape and preset for a repeated architecture (REPEATS): gpt2_1_27b with 18 layers of
   width 2304 and 18 heads of width 128, llama_1_21b with 15 layers of width 2560, 20 heads of width 128 and 5 key-value
@@ -342,8 +342,9 @@ SHAPES = {
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
 # weight of a LLaMA and only the length of a GPT-2's position table; the runs here use 1024 positions), each with the
-# shape it repeats. Their validations ran at another micro-batch on another GPU, so they stay among the held-out results, but
-# the model had met their architecture before: they are not unseen. tests/test_models.py keeps any other repeat out.
+# shape it repeats. Their validations ran at another micro-batch on another GPU, so they stay among the held-out
+# results, but the model had met their architecture before: they are not unseen. tests/test_models.py keeps any other
+# repeat out.
 REPEATS = {
     "gpt2_2_91b": "gpt2_2_9b",  # the thirty-eighth set's; the second set's gpt2_2_9b was looked at since
     "llama_1_95b": "llama_2b",  # the thirty-ninth set's; the first set's llama_2b led to changes of the model

@@ -48,8 +48,8 @@ def test_the_committed_validations_find_the_profiles_of_their_machine():
     heldout-28's llama_0_81b ran after the node was profiled again, on the machine of the set's other two.
     heldout-34's llama_5_3b ran on another machine than gpt2_5_1b, whose node profile is node-b.json.
     heldout-35's gpt2_5_6b was tuned from another machine's two profiles; gpt2_6_3b's machine profiled its own
-    node later, node-b.json. heldout-40's gpt2_1_27b was tuned on another machine from the first one's two profiles;
-    llama_1_21b's machine profiled its own node, node-b.json."""
+    node later, node-b.json. heldout-40's gpt2_1_27b was tuned on another machine from the first one's node and
+    model profiles; llama_1_21b's machine profiled its own node, node-b.json."""
     h = ROOT / "results" / "h100"
     for tune_json, node in (("heldout-3/llama_3_8b.json", "node-a.json"), ("heldout-3/gpt2_2_4b.json", "node-b.json"),
                             ("heldout-2/llama_4_5b.json", "node-c.json"), ("heldout-4/gpt2_3_3b.json", "node-b.json"),
