@@ -169,11 +169,20 @@ def test_the_shapes_the_model_of_the_day_met_unseen():
     first_sets = {"heldout", "heldout-2", "heldout-3"}
     met = [p for p in HELD_OUT if p.parent.name not in first_sets and p.stem not in REPEATS]
     assert len(met) == len(HELD_OUT) - 12 - len(REPEATS)
-    by_model: dict = {}
-    for r in summarize([load(p) for p in met]):
-        by_model.setdefault(r["model"], []).append(r["ok"])
-    within_both = [m for m, ok in by_model.items() if len(ok) == 2 and all(ok)]
-    assert (len(met), len(within_both)) == (83, 27)
+    results = {p: load(p) for p in met}
+
+    def tally(paths):  # (shapes, dostune within both bounds, ZeRO-Offload within both, both methods)
+        ok: dict = {}
+        for r in summarize([results[p] for p in paths]):
+            ok.setdefault(r["model"], {})[r["method"]] = r["ok"]
+        return (len(paths), sum(o["dostune"] for o in ok.values()), sum(o["zero-offload"] for o in ok.values()),
+                sum(o["dostune"] and o["zero-offload"] for o in ok.values()))
+
+    assert tally(met) == (83, 34, 67, 27)
+    # since the step-lane probe (the thirteenth set on), and by micro-batch
+    assert tally([p for p in met if int(p.parent.name.split("-")[1]) >= 13]) == (59, 25, 50, 20)
+    assert tally([p for p in met if results[p].micro_batch >= 16]) == (12, 6, 9, 5)
+    assert tally([p for p in met if results[p].micro_batch < 16]) == (71, 28, 58, 22)
 
 
 SPREAD = ROOT / "results" / "h100" / "profile-spread"
