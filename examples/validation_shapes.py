@@ -130,6 +130,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   width 2304 and 18 heads of width 128, llama_1_21b with 15 layers of width 2560, 20 heads of width 128 and 5 key-value
   heads, an FFN of 6912; gpt2_1_27b profiled twice on one H200 and validated on another from the first profile,
   llama_1_21b profiled and validated on a third, with the model as it is (results/h200/heldout-40/).
+* the forty-first (gpt2_1_11b, llama_1_17b), added before any run of them, at 1.1-1.2B, at micro-batch 8, each to be
+  profiled and validated on one machine with two rounds per method, so that a second process of each schedule says how
+  close a prediction can come on today's engine: gpt2_1_11b with 20 layers of width 2048 and 16 heads of width 128,
+  llama_1_17b with 18 layers of width 2304, 18 heads of width 128 and 6 key-value heads, an FFN of 6144.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -338,6 +342,10 @@ SHAPES = {
     "gpt2_1_27b": DecoderConfig("gpt2", layers=18, hidden=2304, heads=18, vocab=50304, max_positions=1024),
     "llama_1_21b": DecoderConfig("llama", layers=15, hidden=2560, heads=20, vocab=32000, max_positions=2048, ffn=6912,
                                  kv_heads=5),
+    # the forty-first set
+    "gpt2_1_11b": DecoderConfig("gpt2", layers=20, hidden=2048, heads=16, vocab=50304, max_positions=1024),
+    "llama_1_17b": DecoderConfig("llama", layers=18, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6144,
+                                 kv_heads=6),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
