@@ -130,10 +130,11 @@ coefficient in this repository came from them before their `dostune tune --valid
   width 2304 and 18 heads of width 128, llama_1_21b with 15 layers of width 2560, 20 heads of width 128 and 5 key-value
   heads, an FFN of 6912; gpt2_1_27b profiled twice on one H200 and validated on another from the first profile,
   llama_1_21b profiled and validated on a third, with the model as it is (results/h200/heldout-40/).
-* the forty-first (gpt2_1_11b, llama_1_17b), added before any run of them, at 1.1-1.2B, at micro-batch 8, each to be
-  profiled and validated on one machine with two rounds per method, so that a second process of each schedule says how
+* the forty-first (gpt2_1_11b, llama_1_17b), added before any run of them, at 1.1-1.2B, at micro-batch 8, each
+  profiled and validated on one H200 with two rounds per method, so that a second process of each schedule says how
   close a prediction can come on today's engine: gpt2_1_11b with 20 layers of width 2048 and 16 heads of width 128,
-  llama_1_17b with 18 layers of width 2304, 18 heads of width 128 and 6 key-value heads, an FFN of 6144.
+  llama_1_17b with 18 layers of width 2304, 18 heads of width 128 and 6 key-value heads, an FFN of 6144; validated
+  with the model as it is (results/h200/heldout-41/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
