@@ -135,6 +135,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   close a prediction can come on today's engine: gpt2_1_11b with 20 layers of width 2048 and 16 heads of width 128,
   llama_1_17b with 18 layers of width 2304, 18 heads of width 128 and 6 key-value heads, an FFN of 6144; validated
   with the model as it is (results/h200/heldout-41/).
+* the forty-second (gpt2_1_23b, llama_1_05b), added before any run of them, at 1.0-1.3B, at micro-batch 8, profiled
+  and validated as the forty-first, a shallow wide GPT-2 and a deep narrow LLaMA: gpt2_1_23b with 14 layers of width
+  2560 and 20 heads of width 128, llama_1_05b with 26 layers of width 1792, 14 heads of width 128 and 7 key-value
+  heads, an FFN of 4864.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -347,6 +351,10 @@ SHAPES = {
     "gpt2_1_11b": DecoderConfig("gpt2", layers=20, hidden=2048, heads=16, vocab=50304, max_positions=1024),
     "llama_1_17b": DecoderConfig("llama", layers=18, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6144,
                                  kv_heads=6),
+    # the forty-second set
+    "gpt2_1_23b": DecoderConfig("gpt2", layers=14, hidden=2560, heads=20, vocab=50304, max_positions=1024),
+    "llama_1_05b": DecoderConfig("llama", layers=26, hidden=1792, heads=14, vocab=32000, max_positions=2048, ffn=4864,
+                                 kv_heads=7),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
