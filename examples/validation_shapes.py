@@ -138,7 +138,8 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the forty-second (gpt2_1_23b, llama_1_05b), added before any run of them, at 1.0-1.3B, at micro-batch 8, profiled
   and validated as the forty-first, a shallow wide GPT-2 and a deep narrow LLaMA: gpt2_1_23b with 14 layers of width
   2560 and 20 heads of width 128, llama_1_05b with 26 layers of width 1792, 14 heads of width 128 and 7 key-value
-  heads, an FFN of 4864.
+  heads, an FFN of 4864; gpt2_1_23b profiled and validated on one H200, llama_1_05b on another, which then took a
+  second model profile of each, with the model as it is (results/h200/heldout-42/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
