@@ -140,6 +140,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   2560 and 20 heads of width 128, llama_1_05b with 26 layers of width 1792, 14 heads of width 128 and 7 key-value
   heads, an FFN of 4864; gpt2_1_23b profiled and validated on one H200, llama_1_05b on another, which then took a
   second model profile of each, with the model as it is (results/h200/heldout-42/).
+* the forty-third (gpt2_0_79b, llama_0_75b), added before any run of them, at 0.75-0.8B, at micro-batch 8, each shape
+  profiled twice and then validated on one machine, with the model as it is: gpt2_0_79b with 18 layers of width 1792
+  and 28 heads of width 64, llama_0_75b with 16 layers of width 1920, 15 heads of width 128 and 5 key-value heads, an
+  FFN of 5120.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -356,6 +360,10 @@ SHAPES = {
     "gpt2_1_23b": DecoderConfig("gpt2", layers=14, hidden=2560, heads=20, vocab=50304, max_positions=1024),
     "llama_1_05b": DecoderConfig("llama", layers=26, hidden=1792, heads=14, vocab=32000, max_positions=2048, ffn=4864,
                                  kv_heads=7),
+    # the forty-third set
+    "gpt2_0_79b": DecoderConfig("gpt2", layers=18, hidden=1792, heads=28, vocab=50304, max_positions=1024),
+    "llama_0_75b": DecoderConfig("llama", layers=16, hidden=1920, heads=15, vocab=32000, max_positions=2048, ffn=5120,
+                                 kv_heads=5),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
