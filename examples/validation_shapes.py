@@ -143,7 +143,7 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the forty-third (gpt2_0_79b, llama_0_75b), added before any run of them, at 0.75-0.8B, at micro-batch 8, each shape
   profiled twice and then validated on one machine, with the model as it is: gpt2_0_79b with 18 layers of width 1792
   and 28 heads of width 64, llama_0_75b with 16 layers of width 1920, 15 heads of width 128 and 5 key-value heads, an
-  FFN of 5120.
+  FFN of 5120; both on one H200 (results/h200/heldout-43/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
