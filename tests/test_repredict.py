@@ -163,8 +163,8 @@ def test_todays_model_on_every_held_out_validation(held_out):
     # llama_1_95b missed the step, which moved it to 7.0%, where the fortieth set's gpt2_1_27b, which missed the
     # iteration, and llama_1_21b, within both, left it, as did the forty-first set's gpt2_1_11b and llama_1_17b, both
     # within both, and the forty-second set's gpt2_1_23b, within both, and llama_1_05b, which missed both; the
-    # forty-third set's llama_0_75b, within both, and gpt2_0_79b, which missed the step, moved the iteration's median
-    # to 7.1%); a change of the model that does worse on them fails here, so no shape in these sets is unseen by a
+    # forty-third set's llama_0_75b, within both, and gpt2_0_79b, which missed both, moved the iteration's median to
+    # 7.1%); a change of the model that does worse on them fails here, so no shape in these sets is unseen by a
     # model changed after it was added
     assert sum(r["ok"] for r in rows) >= 30
     assert statistics.median(r["iter"] for r in rows) <= 0.09
