@@ -144,6 +144,10 @@ coefficient in this repository came from them before their `dostune tune --valid
   profiled twice and then validated on one machine, with the model as it is: gpt2_0_79b with 18 layers of width 1792
   and 28 heads of width 64, llama_0_75b with 16 layers of width 1920, 15 heads of width 128 and 5 key-value heads, an
   FFN of 5120; both on one H200 (results/h200/heldout-43/).
+* the forty-fourth (gpt2_0_85b, llama_0_82b), added before any run of them, at 0.8-0.85B, at micro-batch 8, each shape
+  profiled twice on the machine that validates it, to decide a cap on the lane probes' alone readings at the node's
+  composed rate (docs/experiments.md, section 65): gpt2_0_85b shallow and wide, 13 layers of width 2176 and 17 heads of
+  width 128, llama_0_82b with 22 layers of width 1792, 14 heads of width 128 and 2 key-value heads, an FFN of 4608.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -364,6 +368,10 @@ SHAPES = {
     "gpt2_0_79b": DecoderConfig("gpt2", layers=18, hidden=1792, heads=28, vocab=50304, max_positions=1024),
     "llama_0_75b": DecoderConfig("llama", layers=16, hidden=1920, heads=15, vocab=32000, max_positions=2048, ffn=5120,
                                  kv_heads=5),
+    # the forty-fourth set
+    "gpt2_0_85b": DecoderConfig("gpt2", layers=13, hidden=2176, heads=17, vocab=50304, max_positions=1024),
+    "llama_0_82b": DecoderConfig("llama", layers=22, hidden=1792, heads=14, vocab=32000, max_positions=2048, ffn=4608,
+                                 kv_heads=2),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
