@@ -147,7 +147,9 @@ coefficient in this repository came from them before their `dostune tune --valid
 * the forty-fourth (gpt2_0_85b, llama_0_82b), added before any run of them, at 0.8-0.85B, at micro-batch 8, each shape
   profiled twice on the machine that validates it, to decide a cap on the lane probes' alone readings at the node's
   composed rate (docs/experiments.md, section 65): gpt2_0_85b shallow and wide, 13 layers of width 2176 and 17 heads of
-  width 128, llama_0_82b with 22 layers of width 1792, 14 heads of width 128 and 2 key-value heads, an FFN of 4608.
+  width 128, llama_0_82b with 22 layers of width 1792, 14 heads of width 128 and 2 key-value heads, an FFN of 4608;
+  both on one H200, with the model as it is, and llama_0_82b profiled twice more on another
+  (results/h200/heldout-44/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
