@@ -167,8 +167,8 @@ def test_todays_model_on_every_held_out_validation(held_out):
     # within both, and the forty-second set's gpt2_1_23b, within both, and llama_1_05b, which missed both; the
     # forty-third set's llama_0_75b, within both, and gpt2_0_79b, which missed both, moved the iteration's median to
     # 7.1%, and the forty-fourth set's gpt2_0_85b and llama_0_82b, which missed the step, moved it back to 7.0% and the
-    # step's to 19.0%); a change of the model that does worse on them fails here, so no shape in these sets is unseen by a
-    # model changed after it was added
+    # step's to 19.0%); a change of the model that does worse on them fails here, so no shape in these sets is unseen by
+    # a model changed after it was added
     assert sum(r["ok"] for r in rows) >= 30
     assert statistics.median(r["iter"] for r in rows) <= 0.09
     assert statistics.median(r["step"] for r in rows) <= 0.19
