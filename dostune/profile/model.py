@@ -38,9 +38,10 @@ from .step_parts import StepParts
 from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
 GiB = 2**30
-# On the H100 hosts backward's speed moved in stretches of seconds, one 15 s window of ten slow (docs/experiments.md,
-# section 25): rounds over a minute read the usual speed
-DEFAULT_PROBE_SECONDS = 60.0
+# Backward's host-bound passes run at a pace that wanders in stretches of seconds (docs/experiments.md, sections 25
+# and 67): in two processes of 7-8 minutes on the H200 hosts the medians of their minutes still lay 12-16% apart
+# (highest over lowest), of their three-minute spans 4-7%, so three minutes read the host's usual pace
+DEFAULT_PROBE_SECONDS = 180.0
 # the step-lane probe (step_lane.py): rounds of one pass alone and one beside copies, about 0.1 s each on the H100 hosts;
 # and its subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth modelling)
 STEP_LANE_ROUNDS = 20
