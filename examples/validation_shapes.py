@@ -150,6 +150,11 @@ coefficient in this repository came from them before their `dostune tune --valid
   width 128, llama_0_82b with 22 layers of width 1792, 14 heads of width 128 and 2 key-value heads, an FFN of 4608;
   both on one H200, with the model as it is, and llama_0_82b profiled twice more on another
   (results/h200/heldout-44/).
+* the forty-fifth (gpt2_0_98b, llama_0_88b), added before any run of them, at 0.88-0.98B, at micro-batch 8, the first
+  profiled with the backward probes spread over 180 s (docs/experiments.md, section 67): each shape profiled at 180 s
+  and at 60 s on the machine that validates it and validated from the 180 s profile, so that the span's A/B can be read
+  on predictions; gpt2_0_98b with 20 layers of width 1920 and 15 heads of width 128, llama_0_88b shallow and wide, 12
+  layers of width 2432, 19 heads of width 128 and a single key-value head, an FFN of 6528. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -374,6 +379,10 @@ SHAPES = {
     "gpt2_0_85b": DecoderConfig("gpt2", layers=13, hidden=2176, heads=17, vocab=50304, max_positions=1024),
     "llama_0_82b": DecoderConfig("llama", layers=22, hidden=1792, heads=14, vocab=32000, max_positions=2048, ffn=4608,
                                  kv_heads=2),
+    # the forty-fifth set
+    "gpt2_0_98b": DecoderConfig("gpt2", layers=20, hidden=1920, heads=15, vocab=50304, max_positions=1024),
+    "llama_0_88b": DecoderConfig("llama", layers=12, hidden=2432, heads=19, vocab=32000, max_positions=2048, ffn=6528,
+                                 kv_heads=1),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
