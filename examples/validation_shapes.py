@@ -154,7 +154,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   profiled with the backward probes spread over 180 s (docs/experiments.md, section 67): each shape profiled at 180 s
   and at 60 s on the machine that validates it and validated from the 180 s profile, so that the span's A/B can be read
   on predictions; gpt2_0_98b with 20 layers of width 1920 and 15 heads of width 128, llama_0_88b shallow and wide, 12
-  layers of width 2432, 19 heads of width 128 and a single key-value head, an FFN of 6528. Not yet run.
+  layers of width 2432, 19 heads of width 128 and a single key-value head, an FFN of 6528; both on one H200, with the
+  model as it is, each profiled at 60 s once before its validation and once after (results/h200/heldout-45/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
