@@ -69,7 +69,7 @@ def profile(
     iters: int = typer.Option(5, min=1, help="With --model: profiled iterations (after 2 warm-up)."),
     probe_seconds: Optional[float] = typer.Option(None, min=0, help="With --model: spread the backward probes over "
                                                   "this many seconds, so that a few slow seconds of the host do not "
-                                                  "set the prediction. Default: 180 on a GPU, 0 (--iters rounds in a "
+                                                  "set the prediction. Default: 60 on a GPU, 0 (--iters rounds in a "
                                                   "row) without one."),
     plot: Optional[Path] = typer.Option(None, help="With --model: draw the memory timeline to this PNG."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="With --model: "
@@ -92,8 +92,8 @@ def profile(
     With --model, profiles that model under DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU instead:
     forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
     subgroup's gradients become final in backward, and PCIe traffic per phase; then backward's probes (without
-    the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds (three
-    minutes on a GPU), so that a few slow seconds of the host do not set the prediction; then --iters iterations
+    the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds (a
+    minute on a GPU), so that a few slow seconds of the host do not set the prediction; then --iters iterations
     timed again, a second draw of the step, whose speed wanders with the host's (the model takes the mean of the
     two); last, on a GPU, the CPU lane as the step runs it (from memory, alone and beside copies both ways; a few
     seconds). It is written to its own file (default runs/profiles/NODE-MODEL-bB-sS.json) that names the node.

@@ -210,7 +210,7 @@ def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, floa
     """``backward()``: one forward and backward of the engine whose optimizer is ``opt``, returning (forward's
     seconds, start, end of the backward on the host clock), synchronised. Rounds of the probes run back to back for
     ``seconds`` (at least ``repeats`` rounds): a host's speed wanders in stretches of seconds (docs/experiments.md,
-    sections 25 and 67), so a few rounds in a row read one stretch, and rounds over minutes the host's usual speed.
+    sections 25 and 67), so a few rounds in a row read one stretch, and rounds over a minute the host's usual speed.
     ``gather``: every rank's share of a round (QuietRuns), and every rank's count of rounds."""
     progress = progress or NullProgress()
     pinned = torch.cuda.is_available()

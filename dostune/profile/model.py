@@ -39,9 +39,10 @@ from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
 GiB = 2**30
 # Backward's host-bound passes run at a pace that wanders in stretches of seconds (docs/experiments.md, sections 25
-# and 67): in two processes of 7-8 minutes on the H200 hosts the medians of their minutes still lay 12-16% apart
-# (highest over lowest), of their three-minute spans 4-7%, so three minutes read the host's usual pace
-DEFAULT_PROBE_SECONDS = 180.0
+# and 67): rounds over a minute read the host's usual pace. Three minutes read one process's pace more closely (its
+# minutes' medians 12-16% apart, its three-minute spans' 4-7%; section 67) but predicted no better on the two shapes
+# tried (section 68), so a minute
+DEFAULT_PROBE_SECONDS = 60.0
 # the step-lane probe (step_lane.py): rounds of one pass alone and one beside copies, about 0.1 s each on the H100 hosts;
 # and its subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth modelling)
 STEP_LANE_ROUNDS = 20
