@@ -156,6 +156,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   on predictions; gpt2_0_98b with 20 layers of width 1920 and 15 heads of width 128, llama_0_88b shallow and wide, 12
   layers of width 2432, 19 heads of width 128 and a single key-value head, an FFN of 6528; both on one H200, with the
   model as it is, each profiled at 60 s once before its validation and once after (results/h200/heldout-45/).
+* the forty-sixth (gpt2_2_39b, llama_2_13b), added before any run of them, at 2.1-2.4B, at micro-batch 8 without
+  activation checkpointing, where no set since the leaf engine has been: between the host-paced shapes below 1.5B at
+  micro-batch 8 and the GPU-paced ones at micro-batch 16, each profiled (the probes over the default minute) and
+  validated on one machine, with the model as it is: gpt2_2_39b with 26 layers of width 2688 and 21 heads of width
+  128, llama_2_13b with 22 layers of width 2944, 23 heads of width 128 and a single key-value head, an FFN of 7936.
+  Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -383,6 +389,10 @@ SHAPES = {
     # the forty-fifth set
     "gpt2_0_98b": DecoderConfig("gpt2", layers=20, hidden=1920, heads=15, vocab=50304, max_positions=1024),
     "llama_0_88b": DecoderConfig("llama", layers=12, hidden=2432, heads=19, vocab=32000, max_positions=2048, ffn=6528,
+                                 kv_heads=1),
+    # the forty-sixth set
+    "gpt2_2_39b": DecoderConfig("gpt2", layers=26, hidden=2688, heads=21, vocab=50304, max_positions=1024),
+    "llama_2_13b": DecoderConfig("llama", layers=22, hidden=2944, heads=23, vocab=32000, max_positions=2048, ffn=7936,
                                  kv_heads=1),
 }
 
