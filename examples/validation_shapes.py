@@ -161,7 +161,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   micro-batch 8 and the GPU-paced ones at micro-batch 16, each profiled (the probes over the default minute) and
   validated on one machine, with the model as it is: gpt2_2_39b with 26 layers of width 2688 and 21 heads of width
   128, llama_2_13b with 22 layers of width 2944, 23 heads of width 128 and a single key-value head, an FFN of 7936.
-  Not yet run.
+  Both on one H200 (results/h200/heldout-46/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
