@@ -162,6 +162,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated on one machine, with the model as it is: gpt2_2_39b with 26 layers of width 2688 and 21 heads of width
   128, llama_2_13b with 22 layers of width 2944, 23 heads of width 128 and a single key-value head, an FFN of 7936.
   Both on one H200 (results/h200/heldout-46/).
+* the forty-seventh (gpt2_1_69b, llama_1_64b), added before any run of them, at 1.6-1.7B, at micro-batch 8 without
+  activation checkpointing, between the shapes of 0.72-1.42B, where dostune's step missed most, and the 1.9-2.6B ones,
+  where the model held on most (docs/experiments.md, section 69), each profiled (the probes over the default minute)
+  and validated on one machine, with the model as it is: gpt2_1_69b with 22 layers of width 2432 and 19 heads of width
+  128, llama_1_64b with 18 layers of width 2816, 22 heads of width 128 and 2 key-value heads, an FFN of 7552. Not yet
+  run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -394,6 +400,10 @@ SHAPES = {
     "gpt2_2_39b": DecoderConfig("gpt2", layers=26, hidden=2688, heads=21, vocab=50304, max_positions=1024),
     "llama_2_13b": DecoderConfig("llama", layers=22, hidden=2944, heads=23, vocab=32000, max_positions=2048, ffn=7936,
                                  kv_heads=1),
+    # the forty-seventh set
+    "gpt2_1_69b": DecoderConfig("gpt2", layers=22, hidden=2432, heads=19, vocab=50304, max_positions=1024),
+    "llama_1_64b": DecoderConfig("llama", layers=18, hidden=2816, heads=22, vocab=32000, max_positions=2048, ffn=7552,
+                                 kv_heads=2),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
