@@ -166,8 +166,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   activation checkpointing, between the shapes of 0.72-1.42B, where dostune's step missed most, and the 1.9-2.6B ones,
   where the model held on most (docs/experiments.md, section 69), each profiled (the probes over the default minute)
   and validated on one machine, with the model as it is: gpt2_1_69b with 22 layers of width 2432 and 19 heads of width
-  128, llama_1_64b with 18 layers of width 2816, 22 heads of width 128 and 2 key-value heads, an FFN of 7552. Not yet
-  run.
+  128, llama_1_64b with 18 layers of width 2816, 22 heads of width 128 and 2 key-value heads, an FFN of 7552. Both on
+  one H200 (results/h200/heldout-47/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
