@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..errors import ProfileError
 from ..optim.schedule import REMOVED_KEYS, ScheduleConfig
-from .record import TuneResult
+from .record import TuneResult, Validation
 from .search import TuneOptions, build_space, predicted_times, zero_offload_times
 from .validation_report import load
 
@@ -44,21 +44,29 @@ def profiles_of(result: TuneResult, path: Path) -> tuple[Path, Path]:
     return nodes[-1][1], model
 
 
+def prediction_space(result: TuneResult, node: Path, model_profile: Path) -> tuple:
+    """What `tune` builds from ``node`` and ``model_profile`` for ``result``'s model (search.build_space): the
+    search space first, whose ``predict_schedule`` predicts a validated row."""
+    return build_space(TuneOptions(model=result.model, profile=node, model_profile=model_profile,
+                                   micro_batch=result.micro_batch, precision=result.precision))
+
+
+def validated_schedule(v: Validation) -> ScheduleConfig:
+    # a schedule key that has since been removed was off in every validated schedule (its default)
+    return ScheduleConfig.model_validate({k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS})
+
+
 def repredict(result: TuneResult, node: Path, model_profile: Path) -> TuneResult:
     """``result`` with every validated row's predictions (and ZeRO-Offload's) made again by today's model from
     ``node`` and ``model_profile``; the measurements as they were."""
-    opts = TuneOptions(model=result.model, profile=node, model_profile=model_profile, micro_batch=result.micro_batch,
-                       precision=result.precision)
-    space, *_, inputs = build_space(opts)
+    space, *_, inputs = prediction_space(result, node, model_profile)
     zero_offload = zero_offload_times(space.zero_offload(), inputs)
     rows = []
     for v in result.validation:
         if v.method == "zero-offload":
             p = zero_offload
         else:
-            # a schedule key that has since been removed was off in every validated schedule (its default)
-            kept = {k: x for k, x in (v.schedule or {}).items() if k not in REMOVED_KEYS}
-            p = predicted_times(space.predict_schedule(v.sub_group_size, ScheduleConfig.model_validate(kept)))
+            p = predicted_times(space.predict_schedule(v.sub_group_size, validated_schedule(v)))
         rows.append(v.model_copy(update=dict(predicted_fwd_s=p.fwd_s, predicted_bwd_s=p.bwd_s,
                                              predicted_step_s=p.step_s, predicted_iter_s=p.iter_s,
                                              predicted_peak_gpu_gib=p.peak_gpu_gib)))

@@ -1,0 +1,59 @@
+"""tune/lane_check.py on a committed validation: each row's step error splits into when the lanes end and what
+follows them, and the CPU lane's seconds per element, model over trace, are the figures docs/experiments.md gives in
+section 70."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dostune.tune.lane_check import check, main
+from dostune.tune.validation_report import load
+
+ROOT = Path(__file__).resolve().parents[1]
+SET = ROOT / "results" / "h200" / "heldout-47"
+SHAPES = ("gpt2_1_69b", "llama_1_64b")
+
+
+@pytest.fixture(autouse=True)
+def validation_shapes_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # the tune.json files name examples.validation_shapes' models
+
+
+def test_the_step_error_is_the_lanes_end_and_what_follows_them():
+    for name in SHAPES:
+        recorded = {v.label: v for v in load(SET / f"{name}.json").validation}
+        rows = check(SET / f"{name}.json")
+        assert [r.label for r in rows] == ["dostune #1", "dostune #2", "dostune #3"]
+        for r in rows:
+            v = recorded[r.label]
+            # the set was predicted by today's model, so the re-prediction is the recorded one
+            assert r.step_error_s == pytest.approx(v.predicted_step_s - v.measured_step_s, abs=1e-9)
+            assert r.lanes_end_s + r.after_lanes_s == pytest.approx(r.step_error_s, abs=1e-12)
+
+
+def test_the_figures_of_section_70():
+    rows = [r for name in SHAPES for r in check(SET / f"{name}.json")]
+    assert (round(min(r.lanes_end_s for r in rows), 3), round(max(r.lanes_end_s for r in rows), 3)) == (0.050, 0.078)
+    assert (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)) == (1.08, 1.34)
+    assert (round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)) == (1.23, 1.38)
+    # from the second machine's model profiles the lane's rates come closer, and gpt2_1_69b's step stays long
+    again = {name: check(SET / f"{name}.json", (SET / "node.json", SET / f"{name}-machine-b-profile.json"))
+             for name in SHAPES}
+    both = again["gpt2_1_69b"] + again["llama_1_64b"]
+    assert (round(min(r.step_rate for r in both), 2), round(max(r.step_rate for r in both), 2)) == (0.98, 1.12)
+    assert (round(min(r.backward_rate for r in both), 2), round(max(r.backward_rate for r in both), 2)) == (1.14, 1.24)
+    assert min(r.step_error_s for r in again["gpt2_1_69b"]) > 0.06
+
+
+def test_the_table_has_a_line_per_row_and_their_medians(capsys):
+    assert main([str(SET / "llama_1_64b.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + 3 + 1
+    assert out[-1] == "| median of 3 rows | | +44 ms | +58 ms | -14 ms | 1.24x | 1.26x |"
+
+
+def test_a_validation_without_its_bench_record_is_a_clear_error(tmp_path, capsys):
+    shutil.copy(SET / "llama_1_64b.json", tmp_path / "lonely.json")
+    assert main([str(tmp_path / "lonely.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bench record is neither at" in err and len(err.splitlines()) == 1
