@@ -167,7 +167,14 @@ coefficient in this repository came from them before their `dostune tune --valid
   where the model held on most (docs/experiments.md, section 69), each profiled (the probes over the default minute)
   and validated on one machine, with the model as it is: gpt2_1_69b with 22 layers of width 2432 and 19 heads of width
   128, llama_1_64b with 18 layers of width 2816, 22 heads of width 128 and 2 key-value heads, an FFN of 7552. Both on
-  one H200 (results/h200/heldout-47/).
+  one H200, each profiled once more on a second after its validation (results/h200/heldout-47/).
+* the forty-eighth (gpt2_1_52b, llama_1_76b), added before any run of them, at 1.5-1.8B, at micro-batch 8 without
+  activation checkpointing, where both shapes of the forty-seventh set missed dostune's step with the CPU lane's rates
+  as their profiles read them (docs/experiments.md, section 70): each profiled (the probes over the default minute) and
+  validated on one machine, with the model as it is, and profiled once more there after its validation, so that two
+  profiles of one machine can be put beside the traced lane (tune/lane_check.py); gpt2_1_52b deep and narrow, 28 layers
+  of width 2048 and 16 heads of width 128, llama_1_76b shallow and wide, 16 layers of width 3072, 24 heads of width 128
+  and 4 key-value heads, an FFN of 8192. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -404,6 +411,10 @@ SHAPES = {
     "gpt2_1_69b": DecoderConfig("gpt2", layers=22, hidden=2432, heads=19, vocab=50304, max_positions=1024),
     "llama_1_64b": DecoderConfig("llama", layers=18, hidden=2816, heads=22, vocab=32000, max_positions=2048, ffn=7552,
                                  kv_heads=2),
+    # the forty-eighth set
+    "gpt2_1_52b": DecoderConfig("gpt2", layers=28, hidden=2048, heads=16, vocab=50304, max_positions=1024),
+    "llama_1_76b": DecoderConfig("llama", layers=16, hidden=3072, heads=24, vocab=32000, max_positions=2048, ffn=8192,
+                                 kv_heads=4),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
