@@ -7,7 +7,7 @@ import pytest
 from dostune.bench.record import MethodResult
 from dostune.errors import DostuneError, NotAvailable
 from dostune.profile.paths import shipped_profile
-from dostune.records import SetAside
+from dostune.records import SetAside, Span
 from dostune.tune import validation_report
 from dostune.tune.record import TuneResult
 from dostune.tune.search import TuneOptions, run_tune
@@ -333,3 +333,32 @@ def test_tune_validate_stopped_by_sigterm_writes_the_config_and_what_it_measured
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
     out = " ".join(r.output.split())
     assert "stopped during the validation (SIGTERM): the config and tune.json are written" in out
+
+
+class Traced(FakeBench):
+    """FakeBench whose schedules record a traced step: the CPU lane on two subgroups, one taken up during backward
+    (before the step's start) and one in the step."""
+
+    def __call__(self, name, spec, opts, offload, progress):
+        got = super().__call__(name, spec, opts, offload, progress)
+        if name == "dostune" and got.ran:
+            got = got.model_copy(update={"timeline": [Span(lane="cpu", subgroup=0, start=-0.02, end=-0.01),
+                                                      Span(lane="cpu", subgroup=1, start=0.0, end=0.03)]})
+        return got
+
+
+def test_tune_validate_puts_the_cpu_lane_beside_each_rows_traced_step(tmp_path, monkeypatch):
+    """The command's line on the CPU lane is tune/lane_check.py's, from the search's own predictions: the same as
+    `python -m dostune.tune.lane_check` reads from the files it wrote."""
+    from dostune.tune.lane_check import check, summary
+
+    out, res = _tune_validate(tmp_path, monkeypatch, 1, 1, bench=Traced)
+    rows = check(tmp_path / "tune.json")
+    assert [r.label for r in rows] == ["dostune #1"] and rows[0].backward_rate > 0 and rows[0].step_rate > 0
+    assert " ".join(summary(rows).split()) in out
+    assert "CPU lane against each row's traced step" in out
+
+
+def test_tune_validate_says_nothing_of_the_lane_without_a_traced_step(tmp_path, monkeypatch):
+    out, _ = _tune_validate(tmp_path, monkeypatch, 1, 1)
+    assert "CPU lane against each row's traced step" not in out

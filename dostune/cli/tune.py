@@ -245,6 +245,12 @@ def tune(
                               "over the timed iterations): "
                               + ", ".join(f"{label} {med:g} / {most}" for label, med, most in swung)
                               + "; the predictions are of the tuned split", highlight=False)
+        from ..tune.lane_check import compare, summary
+
+        # where a step's miss lies: the CPU lane's rates and the lanes' end against each row's traced step
+        lanes = summary(compare(res, run.bench, space))
+        if lanes:
+            err_console.print(lanes, highlight=False)
         prof_steal, val_steal = res.profile_steal, res.validation_steal()
         if prof_steal is not None or val_steal is not None:
             # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured

@@ -64,13 +64,9 @@ def bench_of(result, path: Path) -> Path:
     return beside
 
 
-def check(path: "str | Path", profiles: Optional[tuple[Path, Path]] = None) -> list[LaneCheck]:
-    """The rows of one tune.json whose traced step has a CPU lane, predicted from its own profiles or from
-    ``profiles`` (node, model)."""
-    path = Path(path)
-    result = load(path)
-    bench = load_bench(bench_of(result, path))
-    space = prediction_space(result, *(profiles or profiles_of(result, path)))[0]
+def compare(result, bench, space) -> list[LaneCheck]:
+    """The rows of ``result`` whose traced step in ``bench`` (its validation's record) has a CPU lane, against
+    ``space``'s predictions (prediction_space, or the search's own)."""
     prologue = space.coeffs.shape.prologue_share
     out = []
     for v in result.validation:
@@ -81,7 +77,8 @@ def check(path: "str | Path", profiles: Optional[tuple[Path, Path]] = None) -> l
         p = space.predict_schedule(v.sub_group_size, validated_schedule(v))
         step, sizes = p.step, p.sizes
         if max(s.subgroup for s in traced) >= len(sizes):
-            raise DostuneError(f"{path}: {v.label}'s traced step has subgroups the model does not ({len(sizes)})")
+            raise DostuneError(f"{result.model}: {v.label}'s traced step has subgroups the model does not "
+                               f"({len(sizes)})")
         traced_end = max(s.end for s in traced)
         out.append(LaneCheck(
             model=result.model, label=v.label, step_error_s=step.step_s - v.measured_step_s,
@@ -93,12 +90,30 @@ def check(path: "str | Path", profiles: Optional[tuple[Path, Path]] = None) -> l
     return out
 
 
+def check(path: "str | Path", profiles: Optional[tuple[Path, Path]] = None) -> list[LaneCheck]:
+    """``compare`` for one tune.json, predicted from its own profiles or from ``profiles`` (node, model)."""
+    path = Path(path)
+    result = load(path)
+    bench = load_bench(bench_of(result, path))
+    return compare(result, bench, prediction_space(result, *(profiles or profiles_of(result, path)))[0])
+
+
 def _ms(x: float) -> str:
     return f"{1e3 * x:+.0f} ms"
 
 
 def _x(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def summary(rows: list[LaneCheck]) -> Optional[str]:
+    """One line for `dostune tune --validate`: each row's lane rates and lanes' end against its traced step."""
+    if not rows:
+        return None
+    return ("CPU lane against each row's traced step (the model's seconds per element over the traced, during "
+            "backward / in the step; how much later the model's lanes end): "
+            + "; ".join(f"{r.label} {_x(r.backward_rate)} / {_x(r.step_rate)}, {_ms(r.lanes_end_s)}" for r in rows)
+            + " (python -m dostune.tune.lane_check)")
 
 
 def markdown(rows: list[LaneCheck]) -> str:
