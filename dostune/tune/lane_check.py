@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..bench.record import load_bench
+from ..bench.record import BenchResult, load_bench
 from ..errors import DostuneError
+from .record import TuneResult
 from .repredict import prediction_space, profiles_of, validated_schedule
+from .space import Space
 from .validation_report import load
 
 
@@ -53,7 +55,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def bench_of(result, path: Path) -> Path:
+def bench_of(result: TuneResult, path: Path) -> Path:
     recorded = Path(result.validation_bench) if result.validation_bench else None
     if recorded is not None and recorded.is_file():
         return recorded
@@ -64,7 +66,7 @@ def bench_of(result, path: Path) -> Path:
     return beside
 
 
-def compare(result, bench, space) -> list[LaneCheck]:
+def compare(result: TuneResult, bench: BenchResult, space: Space) -> list[LaneCheck]:
     """The rows of ``result`` whose traced step in ``bench`` (its validation's record) has a CPU lane, against
     ``space``'s predictions (prediction_space, or the search's own)."""
     prologue = space.coeffs.shape.prologue_share
