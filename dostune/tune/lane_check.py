@@ -19,7 +19,6 @@ Exit status 0, or 2 on a bad file.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,10 @@ from typing import Optional, Sequence
 
 from ..bench.record import BenchResult, load_bench
 from ..errors import DostuneError
-from .record import TuneResult
+from .record import TuneResult, median
 from .repredict import prediction_space, profiles_of, validated_schedule
 from .space import Space
-from .validation_report import load
+from .validation_report import _ratio as _x, load
 
 
 @dataclass
@@ -51,7 +50,7 @@ def seconds_per_element(spans: Sequence, sizes: Sequence[int], in_step: bool) ->
     return sum(s.end - s.start for s in mine) / elements if elements else None
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def _over(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
@@ -86,9 +85,9 @@ def compare(result: TuneResult, bench: BenchResult, space: Space) -> list[LaneCh
             model=result.model, label=v.label, step_error_s=step.step_s - v.measured_step_s,
             lanes_end_s=prologue * step.overhead_s + step.lanes_s - traced_end,
             after_lanes_s=(1 - prologue) * step.overhead_s - (v.measured_step_s - traced_end),
-            backward_rate=_ratio(seconds_per_element(step.spans, sizes, False),
+            backward_rate=_over(seconds_per_element(step.spans, sizes, False),
                                  seconds_per_element(traced, sizes, False)),
-            step_rate=_ratio(seconds_per_element(step.spans, sizes, True), seconds_per_element(traced, sizes, True))))
+            step_rate=_over(seconds_per_element(step.spans, sizes, True), seconds_per_element(traced, sizes, True))))
     return out
 
 
@@ -102,10 +101,6 @@ def check(path: "str | Path", profiles: Optional[tuple[Path, Path]] = None) -> l
 
 def _ms(x: float) -> str:
     return f"{1e3 * x:+.0f} ms"
-
-
-def _x(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def summary(rows: list[LaneCheck]) -> Optional[str]:
@@ -124,13 +119,9 @@ def markdown(rows: list[LaneCheck]) -> str:
     lines += [f"| {r.model} | {r.label} | {_ms(r.step_error_s)} | {_ms(r.lanes_end_s)} | {_ms(r.after_lanes_s)} | "
               f"{_x(r.backward_rate)} | {_x(r.step_rate)} |" for r in rows]
     if rows:
-        def med(xs):
-            xs = [x for x in xs if x is not None]
-            return statistics.median(xs) if xs else None
-
-        lines.append(f"| median of {len(rows)} rows | | {_ms(med(r.step_error_s for r in rows))} | "
-                     f"{_ms(med(r.lanes_end_s for r in rows))} | {_ms(med(r.after_lanes_s for r in rows))} | "
-                     f"{_x(med(r.backward_rate for r in rows))} | {_x(med(r.step_rate for r in rows))} |")
+        lines.append(f"| median of {len(rows)} rows | | {_ms(median(r.step_error_s for r in rows))} | "
+                     f"{_ms(median(r.lanes_end_s for r in rows))} | {_ms(median(r.after_lanes_s for r in rows))} | "
+                     f"{_x(median(r.backward_rate for r in rows))} | {_x(median(r.step_rate for r in rows))} |")
     return "\n".join(lines) + "\n"
 
 
