@@ -174,7 +174,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated on one machine, with the model as it is, and profiled once more there after its validation, so that two
   profiles of one machine can be put beside the traced lane (tune/lane_check.py); gpt2_1_52b deep and narrow, 28 layers
   of width 2048 and 16 heads of width 128, llama_1_76b shallow and wide, 16 layers of width 3072, 24 heads of width 128
-  and 4 key-value heads, an FFN of 8192. Not yet run.
+  and 4 key-value heads, an FFN of 8192. Both on one H200, each profiled again there after both validations
+  (results/h200/heldout-48/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
