@@ -1,6 +1,6 @@
 """tune/lane_check.py on a committed validation: each row's step error splits into when the lanes end and what
 follows them, and the CPU lane's seconds per element, model over trace, are the figures docs/experiments.md gives in
-section 70."""
+sections 70 and 71."""
 import shutil
 from pathlib import Path
 
@@ -43,6 +43,22 @@ def test_the_figures_of_section_70():
     assert (round(min(r.step_rate for r in both), 2), round(max(r.step_rate for r in both), 2)) == (0.98, 1.12)
     assert (round(min(r.backward_rate for r in both), 2), round(max(r.backward_rate for r in both), 2)) == (1.14, 1.24)
     assert min(r.step_error_s for r in again["gpt2_1_69b"]) > 0.06
+
+
+def test_the_figures_of_section_71_from_both_profiles_of_one_machine():
+    set48 = ROOT / "results" / "h200" / "heldout-48"
+
+    def spans(name, profile):
+        rows = check(set48 / f"{name}.json", (set48 / "node.json", set48 / f"{name}-{profile}.json"))
+        return ((round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)),
+                (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)),
+                (round(min(r.lanes_end_s for r in rows), 3), round(max(r.lanes_end_s for r in rows), 3)))
+
+    # llama_1_76b's lane read slow from its first profile, less so from the second; gpt2_1_52b's about right from both
+    assert spans("llama_1_76b", "profile") == ((1.13, 1.17), (1.12, 1.17), (0.034, 0.058))
+    assert spans("llama_1_76b", "again-profile") == ((1.04, 1.09), (1.05, 1.10), (0.022, 0.051))
+    assert spans("gpt2_1_52b", "profile") == ((0.87, 0.93), (1.01, 1.14), (-0.029, -0.0))
+    assert spans("gpt2_1_52b", "again-profile")[:2] == ((0.98, 1.05), (0.98, 1.08))
 
 
 def test_the_table_has_a_line_per_row_and_their_medians(capsys):
