@@ -182,8 +182,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   validated first this time: on every earlier H200 set of two shapes on one machine the GPT-2 ran first, and the
   LLaMAs' ZeRO-Offload step ran shorter in validation than in their profiles (docs/experiments.md, section 71), so the
   order and the family could not be told apart there. llama_1_48b with 18 layers of width 2688, 21 heads of width 128
-  and one key-value head, an FFN of 7168; gpt2_1_44b with 22 layers of width 2240 and 35 heads of width 64. Not yet
-  run.
+  and one key-value head, an FFN of 7168; gpt2_1_44b with 22 layers of width 2240 and 35 heads of width 64. Both on
+  one H200, llama_1_48b profiled and validated before gpt2_1_44b was profiled, each profiled again there after both
+  validations (results/h200/heldout-49/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
