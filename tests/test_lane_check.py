@@ -1,7 +1,8 @@
 """tune/lane_check.py on a committed validation: each row's step error splits into when the lanes end and what
 follows them, and the CPU lane's seconds per element, model over trace, are the figures docs/experiments.md gives in
-sections 70 and 71."""
+sections 70 to 72."""
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,23 @@ def test_the_figures_of_section_71_from_both_profiles_of_one_machine():
     assert spans("llama_1_76b", "again-profile") == ((1.04, 1.09), (1.05, 1.10), (0.022, 0.051))
     assert spans("gpt2_1_52b", "profile") == ((0.87, 0.93), (1.01, 1.14), (-0.029, -0.0))
     assert spans("gpt2_1_52b", "again-profile")[:2] == ((0.98, 1.05), (0.98, 1.08))
+
+
+def test_the_figures_of_section_72_the_llama_validated_first():
+    set49 = ROOT / "results" / "h200" / "heldout-49"
+
+    def read(name, profile):
+        rows = check(set49 / f"{name}.json", (set49 / "node.json", set49 / f"{name}-{profile}.json"))
+        return ((round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)),
+                (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)),
+                (round(statistics.median(r.backward_rate for r in rows), 2),
+                 round(statistics.median(r.step_rate for r in rows), 2)))
+
+    # the shape validated second, the GPT-2 this time, had its lane read slow by its profile; the LLaMA first did not
+    assert read("gpt2_1_44b", "profile") == ((1.17, 1.22), (1.01, 1.11), (1.20, 1.09))
+    assert read("llama_1_48b", "profile") == ((1.02, 1.20), (0.90, 0.98), (1.03, 0.97))
+    assert read("gpt2_1_44b", "again-profile")[:2] == ((1.13, 1.18), (0.97, 1.07))
+    assert read("llama_1_48b", "again-profile")[:2] == ((1.00, 1.18), (0.95, 1.04))
 
 
 def test_the_table_has_a_line_per_row_and_their_medians(capsys):
