@@ -185,6 +185,13 @@ coefficient in this repository came from them before their `dostune tune --valid
   and one key-value head, an FFN of 7168; gpt2_1_44b with 22 layers of width 2240 and 35 heads of width 64. Both on
   one H200, llama_1_48b profiled and validated before gpt2_1_44b was profiled, each profiled again there after both
   validations (results/h200/heldout-49/).
+* the fiftieth (gpt2_1_39b, llama_1_35b), added before any run of them, at 1.35-1.4B, at micro-batch 8 without
+  activation checkpointing, in the forty-ninth set's order of work (each shape profiled, then validated, before the
+  next is profiled; then each profiled once more there) with the GPT-2 first again: with the forty-ninth set it puts
+  each family in each place once in one order of work, where on the forty-ninth set dostune's lane was predicted slow
+  on the shape validated second and neither ZeRO-Offload step moved (docs/experiments.md, section 72). gpt2_1_39b with
+  24 layers of width 2112 and 33 heads of width 64; llama_1_35b with 22 layers of width 2304, 18 heads of width 128 and
+  3 key-value heads, an FFN of 6144. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -429,6 +436,10 @@ SHAPES = {
     "llama_1_48b": DecoderConfig("llama", layers=18, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7168,
                                  kv_heads=1),
     "gpt2_1_44b": DecoderConfig("gpt2", layers=22, hidden=2240, heads=35, vocab=50304, max_positions=1024),
+    # the fiftieth set
+    "gpt2_1_39b": DecoderConfig("gpt2", layers=24, hidden=2112, heads=33, vocab=50304, max_positions=1024),
+    "llama_1_35b": DecoderConfig("llama", layers=22, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6144,
+                                 kv_heads=3),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
