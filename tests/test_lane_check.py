@@ -46,37 +46,36 @@ def test_the_figures_of_section_70():
     assert min(r.step_error_s for r in again["gpt2_1_69b"]) > 0.06
 
 
+def _from_one_profile(set_dir: Path, name: str, profile: str) -> tuple:
+    """NAME's rows read from one of its model profiles in SET_DIR: the (least, most) of the model's CPU lane per element
+    over the traced, in backward and in the step, and of how late the lanes end (s); then those two ratios' medians."""
+    rows = check(set_dir / f"{name}.json", (set_dir / "node.json", set_dir / f"{name}-{profile}.json"))
+
+    def span(xs, digits):
+        return round(min(xs), digits), round(max(xs), digits)
+
+    backward, step = [r.backward_rate for r in rows], [r.step_rate for r in rows]
+    return (span(backward, 2), span(step, 2), span([r.lanes_end_s for r in rows], 3),
+            (round(statistics.median(backward), 2), round(statistics.median(step), 2)))
+
+
 def test_the_figures_of_section_71_from_both_profiles_of_one_machine():
     set48 = ROOT / "results" / "h200" / "heldout-48"
-
-    def spans(name, profile):
-        rows = check(set48 / f"{name}.json", (set48 / "node.json", set48 / f"{name}-{profile}.json"))
-        return ((round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)),
-                (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)),
-                (round(min(r.lanes_end_s for r in rows), 3), round(max(r.lanes_end_s for r in rows), 3)))
-
     # llama_1_76b's lane read slow from its first profile, less so from the second; gpt2_1_52b's about right from both
-    assert spans("llama_1_76b", "profile") == ((1.13, 1.17), (1.12, 1.17), (0.034, 0.058))
-    assert spans("llama_1_76b", "again-profile") == ((1.04, 1.09), (1.05, 1.10), (0.022, 0.051))
-    assert spans("gpt2_1_52b", "profile") == ((0.87, 0.93), (1.01, 1.14), (-0.029, -0.0))
-    assert spans("gpt2_1_52b", "again-profile")[:2] == ((0.98, 1.05), (0.98, 1.08))
+    assert _from_one_profile(set48, "llama_1_76b", "profile")[:3] == ((1.13, 1.17), (1.12, 1.17), (0.034, 0.058))
+    assert _from_one_profile(set48, "llama_1_76b", "again-profile")[:3] == ((1.04, 1.09), (1.05, 1.10), (0.022, 0.051))
+    assert _from_one_profile(set48, "gpt2_1_52b", "profile")[:3] == ((0.87, 0.93), (1.01, 1.14), (-0.029, -0.0))
+    assert _from_one_profile(set48, "gpt2_1_52b", "again-profile")[:2] == ((0.98, 1.05), (0.98, 1.08))
 
 
 def test_the_figures_of_section_72_the_llama_validated_first():
     set49 = ROOT / "results" / "h200" / "heldout-49"
-
-    def read(name, profile):
-        rows = check(set49 / f"{name}.json", (set49 / "node.json", set49 / f"{name}-{profile}.json"))
-        return ((round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)),
-                (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)),
-                (round(statistics.median(r.backward_rate for r in rows), 2),
-                 round(statistics.median(r.step_rate for r in rows), 2)))
-
     # the shape validated second, the GPT-2 this time, had its lane read slow by its profile; the LLaMA first did not
-    assert read("gpt2_1_44b", "profile") == ((1.17, 1.22), (1.01, 1.11), (1.20, 1.09))
-    assert read("llama_1_48b", "profile") == ((1.02, 1.20), (0.90, 0.98), (1.03, 0.97))
-    assert read("gpt2_1_44b", "again-profile")[:2] == ((1.13, 1.18), (0.97, 1.07))
-    assert read("llama_1_48b", "again-profile")[:2] == ((1.00, 1.18), (0.95, 1.04))
+    gpt2, llama = (_from_one_profile(set49, name, "profile") for name in ("gpt2_1_44b", "llama_1_48b"))
+    assert (gpt2[0], gpt2[1], gpt2[3]) == ((1.17, 1.22), (1.01, 1.11), (1.20, 1.09))
+    assert (llama[0], llama[1], llama[3]) == ((1.02, 1.20), (0.90, 0.98), (1.03, 0.97))
+    assert _from_one_profile(set49, "gpt2_1_44b", "again-profile")[:2] == ((1.13, 1.18), (0.97, 1.07))
+    assert _from_one_profile(set49, "llama_1_48b", "again-profile")[:2] == ((1.00, 1.18), (0.95, 1.04))
 
 
 def test_the_table_has_a_line_per_row_and_their_medians(capsys):
