@@ -32,17 +32,22 @@ def test_the_step_error_is_the_lanes_end_and_what_follows_them():
             assert r.lanes_end_s + r.after_lanes_s == pytest.approx(r.step_error_s, abs=1e-12)
 
 
+def _span(xs, digits: int) -> tuple:
+    """(least, most) of ``xs``, each rounded as the docs give it."""
+    return round(min(xs), digits), round(max(xs), digits)
+
+
 def test_the_figures_of_section_70():
     rows = [r for name in SHAPES for r in check(SET / f"{name}.json")]
-    assert (round(min(r.lanes_end_s for r in rows), 3), round(max(r.lanes_end_s for r in rows), 3)) == (0.050, 0.078)
-    assert (round(min(r.step_rate for r in rows), 2), round(max(r.step_rate for r in rows), 2)) == (1.08, 1.34)
-    assert (round(min(r.backward_rate for r in rows), 2), round(max(r.backward_rate for r in rows), 2)) == (1.23, 1.38)
+    assert _span([r.lanes_end_s for r in rows], 3) == (0.050, 0.078)
+    assert _span([r.step_rate for r in rows], 2) == (1.08, 1.34)
+    assert _span([r.backward_rate for r in rows], 2) == (1.23, 1.38)
     # from the second machine's model profiles the lane's rates come closer, and gpt2_1_69b's step stays long
     again = {name: check(SET / f"{name}.json", (SET / "node.json", SET / f"{name}-machine-b-profile.json"))
              for name in SHAPES}
     both = again["gpt2_1_69b"] + again["llama_1_64b"]
-    assert (round(min(r.step_rate for r in both), 2), round(max(r.step_rate for r in both), 2)) == (0.98, 1.12)
-    assert (round(min(r.backward_rate for r in both), 2), round(max(r.backward_rate for r in both), 2)) == (1.14, 1.24)
+    assert _span([r.step_rate for r in both], 2) == (0.98, 1.12)
+    assert _span([r.backward_rate for r in both], 2) == (1.14, 1.24)
     assert min(r.step_error_s for r in again["gpt2_1_69b"]) > 0.06
 
 
@@ -50,12 +55,8 @@ def _from_one_profile(set_dir: Path, name: str, profile: str) -> tuple:
     """NAME's rows read from one of its model profiles in SET_DIR: the (least, most) of the model's CPU lane per element
     over the traced, in backward and in the step, and of how late the lanes end (s); then those two ratios' medians."""
     rows = check(set_dir / f"{name}.json", (set_dir / "node.json", set_dir / f"{name}-{profile}.json"))
-
-    def span(xs, digits):
-        return round(min(xs), digits), round(max(xs), digits)
-
     backward, step = [r.backward_rate for r in rows], [r.step_rate for r in rows]
-    return (span(backward, 2), span(step, 2), span([r.lanes_end_s for r in rows], 3),
+    return (_span(backward, 2), _span(step, 2), _span([r.lanes_end_s for r in rows], 3),
             (round(statistics.median(backward), 2), round(statistics.median(step), 2)))
 
 
