@@ -191,7 +191,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   each family in each place once in one order of work, where on the forty-ninth set dostune's lane was predicted slow
   on the shape validated second and neither ZeRO-Offload step moved (docs/experiments.md, section 72). gpt2_1_39b with
   24 layers of width 2112 and 33 heads of width 64; llama_1_35b with 22 layers of width 2304, 18 heads of width 128 and
-  3 key-value heads, an FFN of 6144. Not yet run.
+  3 key-value heads, an FFN of 6144. Both on one H200, gpt2_1_39b profiled and validated before llama_1_35b was
+  profiled, each profiled again there after both validations (results/h200/heldout-50/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
