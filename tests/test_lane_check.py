@@ -79,6 +79,16 @@ def test_the_figures_of_section_72_the_llama_validated_first():
     assert _from_one_profile(set49, "llama_1_48b", "again-profile")[:2] == ((1.00, 1.18), (0.95, 1.04))
 
 
+def test_the_figures_of_section_73_the_llama_validated_second():
+    set50 = ROOT / "results" / "h200" / "heldout-50"
+    # the LLaMA validated second did not have its lane read slow in backward, and its lanes ended early, not late
+    gpt2, llama = (_from_one_profile(set50, name, "profile") for name in ("gpt2_1_39b", "llama_1_35b"))
+    assert gpt2 == ((0.86, 1.09), (0.88, 1.12), (0.012, 0.033), (1.04, 1.01))
+    assert llama == ((0.96, 0.99), (1.01, 1.10), (-0.035, -0.011), (0.98, 1.05))
+    assert _from_one_profile(set50, "gpt2_1_39b", "again-profile")[:2] == ((0.80, 1.02), (0.91, 1.16))
+    assert _from_one_profile(set50, "llama_1_35b", "again-profile")[:3] == ((0.93, 0.96), (1.00, 1.09), (-0.009, 0.015))
+
+
 def test_the_table_has_a_line_per_row_and_their_medians(capsys):
     assert main([str(SET / "llama_1_64b.json")]) == 0
     out = capsys.readouterr().out.splitlines()
