@@ -193,6 +193,13 @@ coefficient in this repository came from them before their `dostune tune --valid
   24 layers of width 2112 and 33 heads of width 64; llama_1_35b with 22 layers of width 2304, 18 heads of width 128 and
   3 key-value heads, an FFN of 6144. Both on one H200, gpt2_1_39b profiled and validated before llama_1_35b was
   profiled, each profiled again there after both validations (results/h200/heldout-50/).
+* the fifty-first (llama_1_30b, gpt2_1_29b), added before any run of them, at 1.3B, at micro-batch 8 without
+  activation checkpointing, in the same order of work with the LLaMA first: on the fiftieth set the LLaMA validated
+  second ran ZeRO-Offload's step at 0.929x its profile, one of the eight of the twelve LLaMAs validated second on an
+  H200 that ran it under 1.00x, where the one LLaMA validated first ran it at 0.996x (docs/experiments.md, section 73);
+  a second LLaMA validated first adds to that count. llama_1_30b with 24 layers of width 2176, 17 heads of width 128
+  and one key-value head, an FFN of 5888; gpt2_1_29b with 29 layers of width 1856 and 29 heads of width 64. Not yet
+  run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -441,6 +448,10 @@ SHAPES = {
     "gpt2_1_39b": DecoderConfig("gpt2", layers=24, hidden=2112, heads=33, vocab=50304, max_positions=1024),
     "llama_1_35b": DecoderConfig("llama", layers=22, hidden=2304, heads=18, vocab=32000, max_positions=2048, ffn=6144,
                                  kv_heads=3),
+    # the fifty-first set
+    "llama_1_30b": DecoderConfig("llama", layers=24, hidden=2176, heads=17, vocab=32000, max_positions=2048, ffn=5888,
+                                 kv_heads=1),
+    "gpt2_1_29b": DecoderConfig("gpt2", layers=29, hidden=1856, heads=29, vocab=50304, max_positions=1024),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
