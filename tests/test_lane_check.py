@@ -1,6 +1,6 @@
 """tune/lane_check.py on a committed validation: each row's step error splits into when the lanes end and what
 follows them, and the CPU lane's seconds per element, model over trace, are the figures docs/experiments.md gives in
-sections 70 to 72."""
+sections 70 to 73."""
 import shutil
 import statistics
 from pathlib import Path
