@@ -198,8 +198,9 @@ coefficient in this repository came from them before their `dostune tune --valid
   second ran ZeRO-Offload's step at 0.929x its profile, one of the eight of the twelve LLaMAs validated second on an
   H200 that ran it under 1.00x, where the one LLaMA validated first ran it at 0.996x (docs/experiments.md, section 73);
   a second LLaMA validated first adds to that count. llama_1_30b with 24 layers of width 2176, 17 heads of width 128
-  and one key-value head, an FFN of 5888; gpt2_1_29b with 29 layers of width 1856 and 29 heads of width 64. Not yet
-  run.
+  and one key-value head, an FFN of 5888; gpt2_1_29b with 29 layers of width 1856 and 29 heads of width 64. Both on
+  one H200, llama_1_30b profiled and validated before gpt2_1_29b was profiled, each profiled again there after both
+  validations, then llama_1_30b validated again from its second profile (results/h200/heldout-51/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
