@@ -1,6 +1,6 @@
 """tune/lane_check.py on a committed validation: each row's step error splits into when the lanes end and what
 follows them, and the CPU lane's seconds per element, model over trace, are the figures docs/experiments.md gives in
-sections 70 to 73."""
+sections 70 to 74."""
 import shutil
 import statistics
 from pathlib import Path
@@ -87,6 +87,18 @@ def test_the_figures_of_section_73_the_llama_validated_second():
     assert llama == ((0.96, 0.99), (1.01, 1.10), (-0.035, -0.011), (0.98, 1.05))
     assert _from_one_profile(set50, "gpt2_1_39b", "again-profile")[:2] == ((0.80, 1.02), (0.91, 1.16))
     assert _from_one_profile(set50, "llama_1_35b", "again-profile")[:3] == ((0.93, 0.96), (1.00, 1.09), (-0.009, 0.015))
+
+
+def test_the_figures_of_section_74_the_llama_validated_first():
+    set51 = ROOT / "results" / "h200" / "heldout-51"
+    # the LLaMA validated first had its lane read slow in both phases from its first profile, not from its second;
+    # the GPT-2 second read fast from both
+    llama, gpt2 = (_from_one_profile(set51, name, "profile") for name in ("llama_1_30b", "gpt2_1_29b"))
+    assert llama == ((1.08, 1.15), (1.31, 1.39), (0.002, 0.026), (1.10, 1.38))
+    assert gpt2 == ((0.73, 1.01), (0.85, 0.96), (-0.067, 0.029), (0.84, 0.95))
+    assert _from_one_profile(set51, "llama_1_30b", "again-profile") == (
+        (1.01, 1.07), (1.02, 1.08), (-0.005, 0.018), (1.02, 1.08))
+    assert _from_one_profile(set51, "gpt2_1_29b", "again-profile")[3] == (0.81, 0.91)
 
 
 def test_the_table_has_a_line_per_row_and_their_medians(capsys):
