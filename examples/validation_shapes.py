@@ -201,6 +201,13 @@ coefficient in this repository came from them before their `dostune tune --valid
   and one key-value head, an FFN of 5888; gpt2_1_29b with 29 layers of width 1856 and 29 heads of width 64. Both on
   one H200, llama_1_30b profiled and validated before gpt2_1_29b was profiled, each profiled again there after both
   validations, then llama_1_30b validated again from its second profile (results/h200/heldout-51/).
+* the fifty-second (gpt2_1_33b, llama_1_26b), added before any run of them, at 1.26-1.33B, at micro-batch 8 without
+  activation checkpointing, each profiled twice back to back on one machine, the GPT-2 first, then each validated
+  from its first profile, the LLaMA first: on the fourteen shapes profiled twice on one machine every LLaMA's first
+  profile read backward beside the lane slower than its second, the GPT-2s' on two of seven, a lead found after
+  looking (docs/experiments.md, section 74); here the LLaMA's two profiles have no validation between them and a
+  GPT-2's two before them. gpt2_1_33b with 26 layers of width 1984 and 31 heads of width 64; llama_1_26b with 26
+  layers of width 2048, 16 heads of width 128 and 2 key-value heads, an FFN of 5504. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -453,6 +460,10 @@ SHAPES = {
     "llama_1_30b": DecoderConfig("llama", layers=24, hidden=2176, heads=17, vocab=32000, max_positions=2048, ffn=5888,
                                  kv_heads=1),
     "gpt2_1_29b": DecoderConfig("gpt2", layers=29, hidden=1856, heads=29, vocab=50304, max_positions=1024),
+    # the fifty-second set
+    "gpt2_1_33b": DecoderConfig("gpt2", layers=26, hidden=1984, heads=31, vocab=50304, max_positions=1024),
+    "llama_1_26b": DecoderConfig("llama", layers=26, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5504,
+                                 kv_heads=2),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
