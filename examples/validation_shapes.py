@@ -207,7 +207,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   profile read backward beside the lane slower than its second, the GPT-2s' on two of seven, a lead found after
   looking (docs/experiments.md, section 74); here the LLaMA's two profiles have no validation between them and a
   GPT-2's two before them. gpt2_1_33b with 26 layers of width 1984 and 31 heads of width 64; llama_1_26b with 26
-  layers of width 2048, 16 heads of width 128 and 2 key-value heads, an FFN of 5504. Not yet run.
+  layers of width 2048, 16 heads of width 128 and 2 key-value heads, an FFN of 5504. Both on one H200 as registered,
+  then llama_1_26b validated again from its second profile (results/h200/heldout-52/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
