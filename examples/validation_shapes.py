@@ -209,6 +209,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   GPT-2's two before them. gpt2_1_33b with 26 layers of width 1984 and 31 heads of width 64; llama_1_26b with 26
   layers of width 2048, 16 heads of width 128 and 2 key-value heads, an FFN of 5504. Both on one H200 as registered,
   then llama_1_26b validated again from its second profile (results/h200/heldout-52/).
+* the fifty-third (gpt2_1_19b, llama_1_03b), added before any run of them, at 1.03-1.19B, at micro-batch 8 without
+  activation checkpointing, each profiled once on one machine, the GPT-2 first, then each validated with three rounds
+  (--validate-rounds 3 --validate-iters 6), the GPT-2 first: does a row's median over three fresh processes meet the
+  prediction more often than the median over its first two, read from the same bench record (docs/experiments.md,
+  section 75)? gpt2_1_19b with 19 layers of width 2176 and 34 heads of width 64; llama_1_03b with 23 layers of width
+  1920, 15 heads of width 128 and 5 key-value heads, an FFN of 5120. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -465,6 +471,10 @@ SHAPES = {
     "gpt2_1_33b": DecoderConfig("gpt2", layers=26, hidden=1984, heads=31, vocab=50304, max_positions=1024),
     "llama_1_26b": DecoderConfig("llama", layers=26, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5504,
                                  kv_heads=2),
+    # the fifty-third set
+    "gpt2_1_19b": DecoderConfig("gpt2", layers=19, hidden=2176, heads=34, vocab=50304, max_positions=1024),
+    "llama_1_03b": DecoderConfig("llama", layers=23, hidden=1920, heads=15, vocab=32000, max_positions=2048, ffn=5120,
+                                 kv_heads=5),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
