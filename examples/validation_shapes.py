@@ -214,7 +214,8 @@ coefficient in this repository came from them before their `dostune tune --valid
   (--validate-rounds 3 --validate-iters 6), the GPT-2 first: does a row's median over three fresh processes meet the
   prediction more often than the median over its first two, read from the same bench record (docs/experiments.md,
   section 75)? gpt2_1_19b with 19 layers of width 2176 and 34 heads of width 64; llama_1_03b with 23 layers of width
-  1920, 15 heads of width 128 and 5 key-value heads, an FFN of 5120. Not yet run.
+  1920, 15 heads of width 128 and 5 key-value heads, an FFN of 5120. Both on one H200 as registered
+  (results/h200/heldout-53/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
