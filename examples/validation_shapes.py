@@ -216,6 +216,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   section 75)? gpt2_1_19b with 19 layers of width 2176 and 34 heads of width 64; llama_1_03b with 23 layers of width
   1920, 15 heads of width 128 and 5 key-value heads, an FFN of 5120. Both on one H200 as registered
   (results/h200/heldout-53/).
+* the fifty-fourth (llama_1_09b, gpt2_1_02b), added before any run of them, at 1.02-1.09B, at micro-batch 8 without
+  activation checkpointing, each profiled once on one machine, the LLaMA first, then each validated with three rounds
+  (--validate-rounds 3 --validate-iters 6), the LLaMA first: the fifty-third set's question again (docs/experiments.md,
+  section 76), each row's median over three rounds against its first two's, from one bench record. llama_1_09b with 22
+  layers of width 2048, 16 heads of width 128 and 4 key-value heads, an FFN of 5376; gpt2_1_02b with 17 layers of width
+  2112 and 33 heads of width 64. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -476,6 +482,10 @@ SHAPES = {
     "gpt2_1_19b": DecoderConfig("gpt2", layers=19, hidden=2176, heads=34, vocab=50304, max_positions=1024),
     "llama_1_03b": DecoderConfig("llama", layers=23, hidden=1920, heads=15, vocab=32000, max_positions=2048, ffn=5120,
                                  kv_heads=5),
+    # the fifty-fourth set
+    "llama_1_09b": DecoderConfig("llama", layers=22, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5376,
+                                 kv_heads=4),
+    "gpt2_1_02b": DecoderConfig("gpt2", layers=17, hidden=2112, heads=33, vocab=50304, max_positions=1024),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
