@@ -221,7 +221,7 @@ coefficient in this repository came from them before their `dostune tune --valid
   (--validate-rounds 3 --validate-iters 6), the LLaMA first: the fifty-third set's question again (docs/experiments.md,
   section 76), each row's median over three rounds against its first two's, from one bench record. llama_1_09b with 22
   layers of width 2048, 16 heads of width 128 and 4 key-value heads, an FFN of 5376; gpt2_1_02b with 17 layers of width
-  2112 and 33 heads of width 64. Not yet run.
+  2112 and 33 heads of width 64. Both on one H200 as registered (results/h200/heldout-54/).
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
