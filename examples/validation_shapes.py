@@ -222,6 +222,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   section 76), each row's median over three rounds against its first two's, from one bench record. llama_1_09b with 22
   layers of width 2048, 16 heads of width 128 and 4 key-value heads, an FFN of 5376; gpt2_1_02b with 17 layers of width
   2112 and 33 heads of width 64. Both on one H200 as registered (results/h200/heldout-54/).
+* the fifty-fifth (gpt2_2_57b, llama_2_53b), added before any run of them, at 2.53-2.57B, the largest at micro-batch 8
+  without activation checkpointing since the leaf engine (the forty-sixth set's were 2.13-2.39B), each profiled once on
+  one machine, the GPT-2 first, then each validated in the default two rounds (--validate-iters 6), the GPT-2 first:
+  the model on the same terms at a size the leaf engine's micro-batch-8 sets have not reached. gpt2_2_57b with 31
+  layers of width 2560 and 40 heads of width 64; llama_2_53b with 30 layers of width 2688, 21 heads of width 128 and 3
+  key-value heads, an FFN of 7680. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -486,6 +492,10 @@ SHAPES = {
     "llama_1_09b": DecoderConfig("llama", layers=22, hidden=2048, heads=16, vocab=32000, max_positions=2048, ffn=5376,
                                  kv_heads=4),
     "gpt2_1_02b": DecoderConfig("gpt2", layers=17, hidden=2112, heads=33, vocab=50304, max_positions=1024),
+    # the fifty-fifth set
+    "gpt2_2_57b": DecoderConfig("gpt2", layers=31, hidden=2560, heads=40, vocab=50304, max_positions=1024),
+    "llama_2_53b": DecoderConfig("llama", layers=30, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7680,
+                                 kv_heads=3),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
