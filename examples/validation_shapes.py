@@ -224,10 +224,12 @@ coefficient in this repository came from them before their `dostune tune --valid
   2112 and 33 heads of width 64. Both on one H200 as registered (results/h200/heldout-54/).
 * the fifty-fifth (gpt2_2_57b, llama_2_53b), added before any run of them, at 2.53-2.57B, the largest at micro-batch 8
   without activation checkpointing since the leaf engine (the forty-sixth set's were 2.13-2.39B), each profiled once on
-  one machine, the GPT-2 first, then each validated in the default two rounds (--validate-iters 6), the GPT-2 first:
-  the model on the same terms at a size the leaf engine's micro-batch-8 sets have not reached. gpt2_2_57b with 31
-  layers of width 2560 and 40 heads of width 64; llama_2_53b with 30 layers of width 2688, 21 heads of width 128 and 3
-  key-value heads, an FFN of 7680. Not yet run.
+  one machine, the GPT-2 first, then each validated in the default two rounds (--validate-iters 6), the GPT-2 first: the
+  model on the same terms at a size the leaf engine's micro-batch-8 sets have not reached. gpt2_2_57b with 31 layers of
+  width 2560 and 40 heads of width 64; llama_2_53b with 30 layers of width 2688, 21 heads of width 128 and 3 key-value
+  heads, an FFN of 7680. gpt2_2_57b on one H200 as registered, but for its ZeRO-Offload row, one round, its second
+  stopped by the command's time limit (results/h200/heldout-55/); llama_2_53b not yet run: it runs on another H200,
+  which profiles its own node.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
