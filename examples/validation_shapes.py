@@ -228,8 +228,14 @@ coefficient in this repository came from them before their `dostune tune --valid
   model on the same terms at a size the leaf engine's micro-batch-8 sets have not reached. gpt2_2_57b with 31 layers of
   width 2560 and 40 heads of width 64; llama_2_53b with 30 layers of width 2688, 21 heads of width 128 and 3 key-value
   heads, an FFN of 7680. gpt2_2_57b on one H200 as registered, but for its ZeRO-Offload row, one round, its second
-  stopped by the command's time limit (results/h200/heldout-55/); llama_2_53b not yet run: it runs on another H200,
-  which profiles its own node.
+  stopped by the command's time limit; llama_2_53b in both rounds on another H200, which profiled its own node, so the
+  two shapes did not share a node profile as registered (results/h200/heldout-55/).
+* the fifty-sixth (llama_1_82b, gpt2_1_94b), added before any run of them, at 1.82-1.94B, between the forty-eighth
+  set's 1.52-1.76B and the forty-sixth's 2.13-2.39B at micro-batch 8 without activation checkpointing, each profiled
+  once on one machine, the LLaMA first, then each validated in the default two rounds (--validate-iters 6), the LLaMA
+  first; if the time runs out before the GPT-2's tune, it runs on another machine that profiles its own node.
+  llama_1_82b with 24 layers of width 2560, 20 heads of width 128 and 4 key-value heads, an FFN of 6912; gpt2_1_94b
+  with 27 layers of width 2368 and 37 heads of width 64. Not yet run.
 
     dostune tune ... --model examples.validation_shapes:gpt2_0_9b --validate 3
 
@@ -498,6 +504,10 @@ SHAPES = {
     "gpt2_2_57b": DecoderConfig("gpt2", layers=31, hidden=2560, heads=40, vocab=50304, max_positions=1024),
     "llama_2_53b": DecoderConfig("llama", layers=30, hidden=2688, heads=21, vocab=32000, max_positions=2048, ffn=7680,
                                  kv_heads=3),
+    # the fifty-sixth set
+    "llama_1_82b": DecoderConfig("llama", layers=24, hidden=2560, heads=20, vocab=32000, max_positions=2048, ffn=6912,
+                                 kv_heads=4),
+    "gpt2_1_94b": DecoderConfig("gpt2", layers=27, hidden=2368, heads=37, vocab=50304, max_positions=1024),
 }
 
 # Shapes registered as new that repeat an earlier shape's architecture (every field but max_positions, which sets no
