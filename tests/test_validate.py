@@ -96,9 +96,25 @@ def test_validate_rounds_alternate_the_order_and_pool_every_round(tuned):
     assert res.round_spread("step", "dostune") == pytest.approx(0.2)
     table = validation_report.markdown(validation_report.summarize([res]))
     assert "| rounds apart |" in table and "| 20.0% / 20.0% |" in table
+    # one round taken as the prediction of the median of the others: the first (x1.0) against x1.1 and x1.2, off
+    # by 1.0 / 1.15 - 1; the second (x1.1) is the others' median itself
+    assert rows[1].repeat_error("iter", 0) == pytest.approx(1 - 1.0 / 1.15)
+    assert rows[1].repeat_error("step", 1) == pytest.approx(0.0) and rows[1].repeat_error("iter", 3) is None
+    assert res.repeat_median_error("iter", "dostune", 0) == pytest.approx(1 - 1.0 / 1.15)
+    repeat = validation_report.summarize([res])[0]["repeat"]
+    assert repeat == (False, True) and "| a round as the other's |" in table and "| NO / yes |" in table
     one_round = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
-    assert one_round.rows[0].round_spread("iter") is None
-    assert tuned.model_copy(update={"validation": one_round.rows}).round_spread("iter") is None
+    assert one_round.rows[0].round_spread("iter") is None and one_round.rows[0].repeat_error("iter", 0) is None
+    single = tuned.model_copy(update={"validation": one_round.rows})
+    assert single.round_spread("iter") is None and single.repeat_median_error("iter", "dostune", 0) is None
+    # across validations: within both bounds for both methods by the prediction, and, where every row ran two rounds
+    # or more, by each round as the others' prediction (the first round misses here, the second does not)
+    rows3 = validation_report.summarize([res, single])
+    assert validation_report.tally(rows3) == {"models": 2, "within": sum(
+        all(r["ok"] for r in rows3 if r["index"] == i) for i in (0, 1)), "repeated": 1,
+        "repeated_within": int(all(r["ok"] for r in rows3 if r["index"] == 0)), "repeat_within": (0, 1)}
+    assert "Of the 1 whose every row ran two rounds or more:" in validation_report.markdown(rows3)
+    assert "two rounds or more" not in validation_report.markdown(validation_report.summarize([single, single]))
     with pytest.raises(DostuneError, match="at least 1 round"):
         validate(tuned, 1, seq=1024, rounds=0, runner=bench, host_available=120 * 2**30)
 
@@ -265,7 +281,9 @@ def test_validate_records_the_split_the_swing_ran_and_the_command_says_so(tuned,
     # the report across models: in how many of a method's rows the swing moved; tables without it keep their form
     table = validation_report.markdown(validation_report.summarize([tuned.model_copy(update={"validation": rows})]))
     assert "| swing moved |" in table and "Swing moved: of the rows that recorded" in table
-    assert table.count("| 1 of 2 |") == 1 and table.splitlines()[-1].endswith("| - |")  # ZeRO-Offload: no swing
+    zo_cells = table.splitlines()[-1].split("|")
+    assert table.count("| 1 of 2 |") == 1 and zo_cells[-3].strip() == "-"  # ZeRO-Offload: no swing (the last column
+    # is one round as the other's prediction)
     plain = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
     assert "swing" not in validation_report.markdown(validation_report.summarize(
         [tuned.model_copy(update={"validation": plain.rows})]))

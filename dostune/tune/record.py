@@ -126,6 +126,16 @@ class Validation(Record):
             return None
         return max(xs) / min(xs) - 1.0
 
+    def repeat_error(self, phase: str, k: int) -> Optional[float]:
+        """Round ``k`` (iter or step) taken as the prediction of the median of this row's other rounds (None with
+        fewer than two rounds, or no round ``k``): how closely one process of the schedule predicts another on the
+        same host minutes later. A model reads its inputs from one profile process, so this is about as close as it
+        can be held (docs/experiments.md, sections 63 and 80)."""
+        xs = getattr(self, f"measured_round_{phase}_s")
+        if not xs or len(xs) < 2 or k >= len(xs):
+            return None
+        return relative_error(xs[k], median(xs[:k] + xs[k + 1:]))
+
     @property
     def iter_error(self) -> Optional[float]:
         return self.error("iter")
@@ -199,6 +209,13 @@ class TuneResult(Record):
         process running the same schedule, were apart in ``phase`` (Validation.round_spread). A prediction cannot be
         held closer than the measurement agrees with itself (docs/experiments.md, section 20)."""
         return median(v.round_spread(phase) for v in self.validation if method is None or v.method == method)
+
+    def repeat_median_error(self, phase: str, method: str, k: int) -> Optional[float]:
+        """The median over ``method``'s rows of their round ``k`` taken as the prediction of their other rounds
+        (Validation.repeat_error); None unless every such row ran that round and another, so that it is the same rows
+        the model is held on."""
+        errors = [v.repeat_error(phase, k) for v in self.validation if v.method == method]
+        return None if not errors or None in errors else median(errors)
 
     def validation_steal(self) -> Optional[float]:
         """The mean share of CPU time the hypervisor took over the validated runs (None where none was recorded):

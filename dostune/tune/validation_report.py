@@ -39,11 +39,20 @@ def load(path: "str | Path") -> TuneResult:
         raise DostuneError(f"{path} is not a dostune tuning result: {str(e).splitlines()[0]}") from None
 
 
+def within(iter_error: Optional[float], step_error: Optional[float]) -> Optional[bool]:
+    """Whether a model's median errors are within the bounds (None when either is unknown)."""
+    if iter_error is None or step_error is None:
+        return None
+    return iter_error <= ITER_BOUND and step_error <= STEP_BOUND
+
+
 def summarize(results: list[TuneResult]) -> list[dict]:
     """One row per model and method with validated rows: their count, median iteration and step errors (relative,
-    and in seconds) and whether they are within the bounds (which are relative)."""
+    and in seconds), whether they are within the bounds (which are relative), and whether the first and the second
+    round, each taken as the prediction of the row's other rounds, are (``repeat``: None for a method whose rows did
+    not all run two rounds)."""
     out = []
-    for res in results:
+    for index, res in enumerate(results):
         for method in METHODS:
             n = sum(1 for v in res.validation if v.method == method)
             if not n:
@@ -58,8 +67,25 @@ def summarize(results: list[TuneResult]) -> list[dict]:
                         "set_aside": (res.profile_set_aside, res.validation_set_aside()),
                         "rounds_apart": (res.round_spread("iter", method), res.round_spread("step", method)),
                         "swung": (sum(v.swung() is not None for v in recorded), len(recorded)) if recorded else None,
-                        "ok": it is not None and it <= ITER_BOUND and st is not None and st <= STEP_BOUND})
+                        "ok": within(it, st) is True, "index": index,
+                        "repeat": tuple(within(res.repeat_median_error("iter", method, k),
+                                               res.repeat_median_error("step", method, k)) for k in (0, 1))})
     return out
+
+
+def tally(rows: list[dict]) -> dict:
+    """Per validation with both methods: how many are within both bounds for both, by the prediction; and of those
+    whose every row ran two rounds or more, how many by the prediction and by one round taken as the prediction of
+    the others (the first round, the second): how often a prediction as close as a second process of the same
+    schedule, minutes later on the same host, would meet the bounds."""
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["index"], []).append(r)
+    both = [rs for rs in by.values() if {r["method"] for r in rs} == set(METHODS)]
+    repeated = [rs for rs in both if all(None not in r["repeat"] for r in rs)]
+    return {"models": len(both), "within": sum(all(r["ok"] for r in rs) for rs in both),
+            "repeated": len(repeated), "repeated_within": sum(all(r["ok"] for r in rs) for rs in repeated),
+            "repeat_within": tuple(sum(all(r["repeat"][k] for r in rs) for rs in repeated) for k in (0, 1))}
 
 
 def _pct(x: Optional[float]) -> str:
@@ -80,6 +106,7 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
     aside = any(x is not None for r in rows for x in r.get("set_aside", ()))
     apart = any(x is not None for r in rows for x in r.get("rounds_apart", ()))
     swing = any(r.get("swung") is not None for r in rows)
+    repeat = any(x is not None for r in rows for x in r.get("repeat", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})"
              + (", re-predicted by today's model from each validation's profiles (python -m "
@@ -99,12 +126,17 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
                 "that size are the measurement's own (docs/experiments.md, section 20)." if apart else "")
              + (" Swing moved: of the rows that recorded adaptive_swing's split, those that ran with GPU-lane subgroups "
                 "moved to the CPU lane in a timed iteration; the model predicts the tuned split, so their step is "
-                "another split's (docs/performance-model.md)." if swing else ""), "",
+                "another split's (docs/performance-model.md)." if swing else "")
+             + (" A round as the other's: the first round's medians, then the second's, each taken as the prediction "
+                "of the row's other rounds (fresh processes minutes apart on the same host) and held to the same "
+                "bounds over the model's rows; '-' where a row ran one round (docs/experiments.md, section 80)."
+                if repeat else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
              + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else "")
-             + (" rounds apart |" if apart else "") + (" swing moved |" if swing else ""),
+             + (" rounds apart |" if apart else "") + (" swing moved |" if swing else "")
+             + (" a round as the other's |" if repeat else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if steal else "") + ("---|" if aside else "")
-             + ("---|" if apart else "") + ("---|" if swing else "")]
+             + ("---|" if apart else "") + ("---|" if swing else "") + ("---|" if repeat else "")]
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['method']} | {r['rows']} | "
                 f"{_pct_ms(r['iter'], r['iter_s'])} | {_pct_ms(r['step'], r['step_s'])} | {_pct(r['bwd'])} | "
@@ -117,7 +149,16 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
             line += f" {_pct(r['rounds_apart'][0])} / {_pct(r['rounds_apart'][1])} |"
         if swing:
             line += " - |" if r.get("swung") is None else " {} of {} |".format(*r["swung"])
+        if repeat:
+            line += " " + " / ".join({True: "yes", False: "NO", None: "-"}[x] for x in r["repeat"]) + " |"
         lines.append(line)
+    t = tally(rows)
+    if t["models"] > 1:
+        lines += ["", f"Within both bounds for both methods: {t['models']} validations, {t['within']} by the "
+                  "prediction."
+                  + (f" Of the {t['repeated']} whose every row ran two rounds or more: {t['repeated_within']} by the "
+                     f"prediction, {t['repeat_within'][0]} with the first round as the prediction of the others and "
+                     f"{t['repeat_within'][1]} with the second." if t["repeated"] else "")]
     return "\n".join(lines) + "\n"
 
 
