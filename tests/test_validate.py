@@ -237,7 +237,7 @@ def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypat
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
     assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
             "over the validated runs (1 iteration set aside)") in out
-    assert "rounds apart" not in out  # one round: nothing to compare
+    assert "rounds apart" not in out and "one round as the prediction" not in out  # one round: nothing to compare
     assert "adaptive_swing moved" not in out  # FakeBench's schedules record no swing
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
 
@@ -251,6 +251,14 @@ def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatc
     assert ("rounds apart (median over rows of how much longer the slowest round took than the fastest, "
             "iteration / step): dostune 10.0% / 10.0%, zero-offload 10.0% / 10.0%; the same schedule measured in "
             "separate processes") in out
+    # and each round as the prediction of the others, held to the model's bounds, as the report has it
+    from dostune.tune.validation_report import summarize
+
+    verdicts = {r["method"]: " / ".join("within" if x else "not within" for x in r["repeat"])
+                for r in summarize([res])}
+    assert ("one round as the prediction of the others, held to the model's bounds (the first round / the second): "
+            f"dostune {verdicts['dostune']}, zero-offload {verdicts['zero-offload']}; where a second process misses "
+            "them, this host does not repeat its own measurement that closely") in out
 
 
 class Swings(FakeBench):

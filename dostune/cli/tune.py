@@ -237,6 +237,17 @@ def tune(
             err_console.print("rounds apart (median over rows of how much longer the slowest round took than the "
                               "fastest, iteration / step): " + ", ".join(spreads)
                               + "; the same schedule measured in separate processes", highlight=False)
+        from ..tune.validation_report import summarize
+
+        # a round held to the model's bounds as the prediction of the others: where a second process of the same
+        # schedule misses them, no prediction read from a profile can be expected to meet them on this host
+        # (docs/experiments.md, section 80)
+        repeats = [f"{r['method']} " + " / ".join("within" if x else "not within" for x in r["repeat"])
+                   for r in summarize([res]) if None not in r["repeat"]]
+        if repeats:
+            err_console.print("one round as the prediction of the others, held to the model's bounds (the first round "
+                              "/ the second): " + ", ".join(repeats) + "; where a second process misses them, this "
+                              "host does not repeat its own measurement that closely", highlight=False)
         swung = [(v.label, *moved) for v in res.validation if (moved := v.swung()) is not None]
         if swung:
             # adaptive_swing moves GPU-lane subgroups to the CPU lane when the lanes' measured times disagree with the
