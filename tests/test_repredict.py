@@ -53,8 +53,8 @@ def test_the_committed_validations_find_the_profiles_of_their_machine():
     which profiled its node again before llama_1_17b (node-b.json). heldout-42's llama_1_05b ran on another machine
     than gpt2_1_23b, which profiled its own node (node-b.json). heldout-43's two ran on one machine with one node
     profile, as did heldout-44's, heldout-45's, heldout-46's, heldout-47's, heldout-48's, heldout-49's,
-    heldout-50's, heldout-51's, heldout-52's, heldout-53's, heldout-54's and heldout-56's; heldout-51's llama_1_30b-again.json and
-    heldout-52's llama_1_26b-again.json are the tunes from those shapes' second profiles. heldout-55's gpt2_2_57b ran
+    heldout-50's, heldout-51's, heldout-52's, heldout-53's, heldout-54's and heldout-56's; heldout-51's
+    llama_1_30b-again.json and heldout-52's llama_1_26b-again.json are the tunes from those shapes' second profiles. heldout-55's gpt2_2_57b ran
     on one machine with its node profile, llama_2_53b on another, which profiled its own node (node-b.json)."""
     h = ROOT / "results" / "h100"
     for tune_json, node in (("heldout-3/llama_3_8b.json", "node-a.json"), ("heldout-3/gpt2_2_4b.json", "node-b.json"),
