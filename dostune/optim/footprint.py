@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
-
 from ..errors import ConfigError
 from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
 
@@ -124,14 +122,12 @@ def _sizes(opt) -> list[int]:
     return [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
 
 
-def check_staging_fits(opt, schedule: ScheduleConfig, capacity_bytes: Optional[int] = None) -> None:
-    """Refuse a schedule whose step-time GPU staging cannot fit on the device at all (checked before anything is
-    allocated, so a bad config fails in seconds, not with an out-of-memory mid-step)."""
+def check_staging_fits(opt, schedule: ScheduleConfig, capacity_bytes: Optional[int]) -> None:
+    """Refuse a schedule whose step-time GPU staging cannot fit in the ``capacity_bytes`` the device has left at all
+    (checked before anything is allocated, so a bad config fails in seconds, not with an out-of-memory mid-step).
+    None: a device without memory of its own (nothing to check)."""
     if capacity_bytes is None:
-        if not torch.cuda.is_available():
-            return
-        capacity_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
-            - torch.cuda.memory_allocated()
+        return
     sizes = _sizes(opt)
     need = gpu_step_bytes(sizes, make_plan(len(sizes), schedule), schedule)
     if need > capacity_bytes:

@@ -229,8 +229,7 @@ class ResidentGpuLane:
             q.wait("d2h", q.record("compute"))
             for i in sorted(behind):
                 self._host.live(i).copy_from(self._buffers[i])
-        if q.cuda:
-            q.streams["d2h"].synchronize()
+        q.sync("d2h")
         self._stale -= behind
 
     def host_changed(self, i: Optional[int] = None) -> None:
