@@ -29,7 +29,7 @@ HOST_BASE_BYTES = 2 * 2**30
 HOST_USABLE_SHARE = 0.95
 # The CPU lane during backward uploads its half-precision results from a ring of pinned buffers. The uploads of the
 # subgroups left to the step queue behind the GPU lane's copies in: with only two buffers the worker waited for them
-# (the H100 timeline of results/h100/nt-gpt2-1.3b: CPU Adam idle 38 ms), so the ring has as many as fit in this.
+# (CPU Adam idle 38 ms of a gpt2-1.3b step on the H100), so the ring has as many as fit in this.
 HALF_RING_BYTES = 512 * 2**20
 
 

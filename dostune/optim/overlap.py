@@ -70,9 +70,9 @@ class StepOutcome:
 
 
 class BackwardOverlap:
-    """``partial_norm_cutoff``: stop speculating once the partial norm makes clipping certain (off, every subgroup
-    speculates and a clipped step recomputes them all: the parity tests run that path so). ``wrap_update``: a
-    wrapper around each subgroup's update (the CPU gate's slowdown), or None."""
+    """``partial_norm_cutoff``: stop speculating once the partial norm makes clipping certain (False: every subgroup
+    speculates, and a step that clips recomputes them all). ``wrap_update``: wraps the per-subgroup update once (None:
+    the update as it is). Both are cpu_lane.CpuLaneSeams'."""
 
     def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
                  scalars: Callable[[], dict[int, AdamScalars]], device: "Device", pin: Callable,
@@ -248,8 +248,7 @@ class BackwardOverlap:
     def reserve(self, subgroups: list[int]) -> None:
         """Allocate and page-lock the shadow buffers of ``subgroups`` now instead of at their first update: a
         subgroup adaptive_swing moves to this lane mid-run otherwise pays for 12 bytes per element of fresh pinned
-        memory inside that step (on the H100 a 25M-element subgroup's update ended ~190 ms late,
-        results/h100/swing-gpt2-1.3b/swing4-timeline-a.png)."""
+        memory inside that step (on the H100 a 25M-element subgroup's update ended ~190 ms late)."""
         for i in subgroups:
             self._buffers(i, self._io(i))
 
