@@ -28,19 +28,20 @@ def overflow_at(steps: tuple[int, ...]):
 
 
 def tiny_engine(train: TrainSettings, schedule: ScheduleConfig | None, pin_memory: bool = True,
-                zero_overrides: dict | None = None):
-    """(spec, engine) of the test model in ZeRO-3 with CPU offload: dostune's optimizer under ``schedule``, or
-    DeepSpeed's own when it is None. ``zero_overrides`` go into the zero_optimization section."""
+                zero_overrides: dict | None = None, seams=None):
+    """(spec, engine) of the test model in ZeRO-3 with CPU offload: dostune's optimizer under ``schedule`` (built
+    with the CPU lane's test ``seams`` if given), or DeepSpeed's own when it is None. ``zero_overrides`` go into the
+    zero_optimization section."""
     spec = resolve_model(MODEL)
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=SUB_GROUP_SIZE, pin_memory=pin_memory,
                                                   schedule=schedule))
     cfg["zero_optimization"].update(zero_overrides or {})
-    return spec, build_engine(spec, cfg, seed=0, use_dostune=schedule is not None)
+    return spec, build_engine(spec, cfg, seed=0, use_dostune=schedule is not None, seams=seams)
 
 
 def run(train: TrainSettings, schedule: ScheduleConfig | None, steps: int = STEPS, overflow_steps: tuple[int, ...] = (),
-        pin_memory: bool = False, adjust=None):
-    spec, engine = tiny_engine(train, schedule, pin_memory=pin_memory)
+        pin_memory: bool = False, adjust=None, seams=None):
+    spec, engine = tiny_engine(train, schedule, pin_memory=pin_memory, seams=seams)
     if adjust is not None:
         adjust(engine.optimizer)
     losses = train_steps(engine, spec, steps, seq=SEQ, seed=1,

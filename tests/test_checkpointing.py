@@ -19,7 +19,7 @@ from dostune.models.registry import ModelSpec, resolve_model
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import SEQ, SUB_GROUP_SIZE, base_settings, rel_diff
-from test_parity import no_partial_norm_cutoff
+from test_parity import NO_CUTOFF
 
 # Every parameter is released after its module's forward, so that the recompute has to gather it again: the tiny
 # models' tensors are all below DeepSpeed's default persistence threshold (kept gathered for good), its default
@@ -146,7 +146,7 @@ def test_hf_models_recompute_every_layer_with_the_same_gradients():
 # --- parity under DeepSpeed ZeRO-3 offload ----------------------------------------------------------------------
 
 def _run(spec: ModelSpec, checkpointing: bool, schedule=None, steps: int = STEPS, zero: dict = RELEASE_ALL,
-         adjust=None) -> dict:
+         seams=None) -> dict:
     """Train ``steps`` seeded steps under ZeRO-3 with the optimizer offloaded (dostune's when ``schedule``), while
     watching the first block's first weight: whether it was released between forward and backward, and whether
     it was gathered whenever its module's forward ran (again, in backward, when checkpointed)."""
@@ -157,9 +157,7 @@ def _run(spec: ModelSpec, checkpointing: bool, schedule=None, steps: int = STEPS
     train = base_settings(precision="bf16", activation_checkpointing=checkpointing)
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=SUB_GROUP_SIZE, pin_memory=False, schedule=schedule,
                                                   extra_zero=zero))
-    engine = build_engine(spec, cfg, seed=0, use_dostune=schedule is not None)
-    if adjust is not None:
-        adjust(engine.optimizer)
+    engine = build_engine(spec, cfg, seed=0, use_dostune=schedule is not None, seams=seams)
     first = next(m for m in engine.module.modules() if isinstance(m, torch.nn.Linear))
     phase, seen, released = ["fwd"], [], []
     # the top-level forward runs only in forward; a recompute re-runs blocks alone
@@ -201,7 +199,7 @@ def test_checkpointed_training_equals_plain_deepspeed_step_for_step(name):
     assert all(plain["released"]) and plain["seen"] == [("fwd", True), ("bwd", True)] * STEPS
     _assert_same_training(plain, ref)
     # every update during backward speculates (and is recomputed in the step where clipping triggers)
-    ours = _run(spec, checkpointing=True, schedule=OVERLAP, zero=PREFETCHED, adjust=no_partial_norm_cutoff)
+    ours = _run(spec, checkpointing=True, schedule=OVERLAP, zero=PREFETCHED, seams=NO_CUTOFF)
     assert ours["type"] == "InterleavedZeroOptimizer"
     assert ours["seen"] == [("fwd", True), ("bwd", True)] * STEPS
     _assert_same_training(ours, ref)

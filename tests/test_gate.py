@@ -14,7 +14,6 @@ from dostune.bench import gate
 from dostune.bench.check import compare_gate, junit_xml
 from dostune.cli.app import app
 from dostune.errors import ConfigError
-from dostune.optim import slowdown
 
 
 def test_low_quantile_interpolates_between_order_statistics():
@@ -111,14 +110,15 @@ def test_a_commit_no_repository_has_is_refused_with_the_fetch_hint(tmp_path, mon
 
 
 def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
-    monkeypatch.delenv(slowdown.SLOW_CPU_LANE_ENV, raising=False)
-    assert slowdown.cpu_lane_slowdown() == 0.0
-    monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, "0.2")
-    assert slowdown.cpu_lane_slowdown() == 0.2
+    monkeypatch.delenv(gate.SLOW_CPU_LANE_ENV, raising=False)
+    assert gate.cpu_lane_slowdown() == 0.0
+    assert gate.cpu_lane_seams().wrap_update is None  # unset: the engines are built as users build them
+    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "0.2")
+    assert gate.cpu_lane_slowdown() == 0.2
     for bad in ("fast", "-0.1", "nan"):
-        monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, bad)
-        with pytest.raises(ConfigError, match=slowdown.SLOW_CPU_LANE_ENV):
-            slowdown.cpu_lane_slowdown()
+        monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, bad)
+        with pytest.raises(ConfigError, match=gate.SLOW_CPU_LANE_ENV):
+            gate.cpu_lane_slowdown()
 
     def work(x):
         t = time.perf_counter() + 0.02
@@ -126,11 +126,15 @@ def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
             pass
         return x + 1
 
-    assert slowdown.slowed(work, 0.0) is work
-    slower = slowdown.slowed(work, 1.0)
+    assert gate.slowed(work, 0.0) is work
+    slower = gate.slowed(work, 1.0)
     t0 = time.perf_counter()
     assert slower(1) == 2
     assert time.perf_counter() - t0 >= 0.04  # the call's 0.02 s, then as long again
+    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "1.0")
+    slower = gate.cpu_lane_seams().wrap_update(work)  # the seam this tree's worker builds its engines with
+    t0 = time.perf_counter()
+    assert slower.__wrapped__ is work and slower(1) == 2 and time.perf_counter() - t0 >= 0.04
 
 
 def test_a_regression_from_a_noisy_run_is_measured_again_and_the_second_run_decides(tmp_path, monkeypatch):
@@ -173,7 +177,7 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     update during backward: clipping is certain), and the slowdown switch reaches this tree's worker only."""
     repo, sha = _repo_with_this_dostune(tmp_path / "repo")
     monkeypatch.chdir(repo)  # the commit is found in the current folder's repository
-    monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, "0.5")
+    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "0.5")
     settings = gate.GateSettings(model="gpt2-tiny", sub_group_size=20_000, pairs=4, warmup=1, engines=2,
                                  schedule={**gate.GATE_SCHEDULE, "gpu_fraction": 0.4})
     run = gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=settings))
@@ -204,22 +208,26 @@ def test_a_worker_killed_before_a_request_is_named_with_its_signal(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_slowdown_switch_wraps_the_cpu_lane_once_and_changes_no_result(monkeypatch, overlap):
-    """Read when the optimizer adopts its schedule (unset afterwards, the lane stays slowed), in both forms of the
-    CPU lane; the slowed lane computes exactly what DeepSpeed does."""
+def test_the_slowdown_seam_wraps_every_cpu_lane_update_and_changes_no_result(overlap):
+    """The gate's slowed update, given to the optimizer as its CPU-lane seam, runs for every CPU-lane update in both
+    forms of the CPU lane; the slowed lane computes exactly what DeepSpeed does."""
+    from dostune.optim.cpu_lane import CpuLaneSeams
     from dostune.optim.schedule import ScheduleConfig
     from parity_helpers import base_settings, reference, rel_diff, run
 
-    seen = []
+    calls = []
 
-    def adopted(opt):
-        monkeypatch.delenv(slowdown.SLOW_CPU_LANE_ENV)
-        lane = opt._dos.cpu
-        seen.append(getattr(lane.worker._update if overlap else lane._update, "__wrapped__", None))
+    def wrap(update):
+        slower = gate.slowed(update, 0.5)
+        return lambda *args: calls.append(args) or slower(*args)
 
     train = base_settings(precision="bf16")
-    monkeypatch.setenv(slowdown.SLOW_CPU_LANE_ENV, "0.5")
-    ours = run(train, ScheduleConfig(gpu_fraction=0.4, overlap_backward=overlap), steps=3, adjust=adopted)
-    assert seen[0] is not None
+    ours = run(train, ScheduleConfig(gpu_fraction=0.4, overlap_backward=overlap), steps=3,
+               seams=CpuLaneSeams(wrap_update=wrap))
     ref = reference(train, steps=3)
     assert ours["type"] == "InterleavedZeroOptimizer" and rel_diff(ours["weights"], ref["weights"]) == 0
+    # 3 of the 5 subgroups on the CPU lane, 3 steps; during backward, each recompute of a clipped step is one more
+    st = ours["overlap"]
+    assert len(calls) == (st["committed"] + st["redone"] if overlap else 3 * 3)
+    if overlap:
+        assert st["committed"] == 3 * 3

@@ -161,16 +161,16 @@ def test_cpu_lane_uploads_with_deepspeeds_copy_when_its_buffer_cannot_be_allocat
     """gpu_convert's device buffer, allocated at each step: without it, DeepSpeed's own blocking copy (converted on
     the host) writes the same half-precision values. The fake streams stand in for a CUDA device's."""
     import contextlib
-    from types import SimpleNamespace
 
-    from dostune.optim.cpu_lane import _Fp32Upload
     from dostune.optim.pressure import MemoryPressure
+    from dostune.optim.uploads import Fp32Upload
 
     class NoRoomQueues:
-        streams = {"up": SimpleNamespace(synchronize=lambda: None)}
-
         def on(self, name):
             return contextlib.nullcontext()
+
+        def sync(self, name):
+            pass
 
     real_empty = torch.empty
 
@@ -180,7 +180,7 @@ def test_cpu_lane_uploads_with_deepspeeds_copy_when_its_buffer_cannot_be_allocat
         return real_empty(*args, **kw)
 
     pressure = MemoryPressure()
-    up = _Fp32Upload(NoRoomQueues(), torch.device("cpu"), pressure)
+    up = Fp32Upload(NoRoomQueues(), torch.device("cpu"), pressure)
     src = torch.randn(100, generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="dostune.optim.pressure"):
         for step in range(2):

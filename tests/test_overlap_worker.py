@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dostune.optim import cpu_kernel
+from dostune.optim.device import CpuDevice
 from dostune.optim.kernels import AdamScalars
 from dostune.optim.overlap import BackwardOverlap, SubgroupIO
 
@@ -35,8 +36,9 @@ def lane(monkeypatch):
         return real(p, *args, threads=threads, **kwargs)
 
     monkeypatch.setattr(cpu_kernel, "adam_out_of_place", recorded)
-    ov = BackwardOverlap(SUBGROUPS, ios.__getitem__, lambda: {i: SCALARS for i in SUBGROUPS}, torch.device("cpu"),
-                         lambda key, t: None, threads_backward=1, threads_step=2, ring=len(SUBGROUPS))
+    ov = BackwardOverlap(SUBGROUPS, ios.__getitem__, lambda: {i: SCALARS for i in SUBGROUPS},
+                         CpuDevice(torch.device("cpu")), lambda key, t: None, threads_backward=1, threads_step=2,
+                         ring=len(SUBGROUPS))
     yield ov, calls, hold
     hold.set()
     ov.close()

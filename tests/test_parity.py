@@ -5,6 +5,7 @@ result is expected to be bit-identical; the bound asked for is 1e-6 relative."""
 import pytest
 import torch
 
+from dostune.optim.cpu_lane import CpuLaneSeams
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import base_settings, reference, rel_diff, run, tiny_engine
@@ -74,8 +75,7 @@ def test_grad_accumulation_and_lr_schedule():
     check(run(train, SCHEDULES["every-2nd"], steps=50), reference(train, steps=50))
 
 
-def no_partial_norm_cutoff(opt):
-    opt._dos.cpu.worker.partial_norm_cutoff = False  # speculate on every subgroup, so every rollback path runs
+NO_CUTOFF = CpuLaneSeams(partial_norm_cutoff=False)  # speculate on every subgroup, so every rollback path runs
 
 
 def cpu_lane_count(schedule: str) -> int:
@@ -95,13 +95,12 @@ def overflow_case(precision: str, schedule: str, **run_kw):
     partial_norms = []
 
     def adjust(opt):
-        no_partial_norm_cutoff(opt)
         norms = opt._dos.norms
         add = norms.add_partial
         norms.add_partial = lambda pids: partial_norms.append(pids) or add(pids)
 
     adjust = adjust if SCHEDULES[schedule].overlap_backward else None
-    ours = run(train, SCHEDULES[schedule], steps=30, overflow_steps=(5, 6), adjust=adjust, **run_kw)
+    ours = run(train, SCHEDULES[schedule], steps=30, overflow_steps=(5, 6), adjust=adjust, seams=NO_CUTOFF, **run_kw)
     check(ours, ref)
     if adjust is not None:
         assert bool(partial_norms) == (precision == "fp16")
@@ -144,7 +143,7 @@ def test_overlap_commits_speculative_updates_when_clipping_does_not_trigger():
 @pytest.mark.parametrize("cutoff", [True, False])
 def test_overlap_recomputes_when_clipping_triggers(cutoff):
     train = base_settings(precision="bf16", clip=0.05)  # far below these gradient norms: clips every step
-    ours = run(train, SCHEDULES["overlap"], steps=30, adjust=None if cutoff else no_partial_norm_cutoff)
+    ours = run(train, SCHEDULES["overlap"], steps=30, seams=None if cutoff else NO_CUTOFF)
     check(ours, reference(train, steps=30))
     st = ours["overlap"]
     assert st["committed"] == 30 * 3
@@ -399,13 +398,12 @@ def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_
 
     def adjust(opt):
         if overlap:
-            no_partial_norm_cutoff(opt)
             for i in (3, 2, 1):  # their shadows exist before any step moves them (not allocated mid-step)
                 assert opt._dos.cpu.worker.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i]
         scripted.append(ScriptedSwing(opt, [0, 1, 3, 2, 0, 3, 1]))
         opt._dos.split.balance = scripted[0]
 
-    ours = run(train, sched, steps=20, adjust=adjust)
+    ours = run(train, sched, steps=20, adjust=adjust, seams=NO_CUTOFF)
     check(ours, reference(train, steps=20))
     lanes = scripted[0].cpu_lanes
     assert len(lanes) == 20 and set(lanes) == {(4,), (3, 4), (2, 3, 4), (1, 2, 3, 4)}

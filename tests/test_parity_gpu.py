@@ -4,7 +4,7 @@ import pytest
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import base_settings, reference, run
-from test_parity import SCHEDULES, check, checkpoint_into_running_engine, no_partial_norm_cutoff, overflow_case
+from test_parity import NO_CUTOFF, SCHEDULES, check, checkpoint_into_running_engine, overflow_case
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +43,7 @@ def test_grad_accumulation_gpu():
 def test_overlap_gpu(clip):
     # 0.0: every speculative update is committed; 0.05: every one is recomputed (cutoff off so that all run).
     train = base_settings(precision="bf16", clip=clip)
-    ours = run(train, SCHEDULES["overlap"], steps=30, pin_memory=True, adjust=no_partial_norm_cutoff)
+    ours = run(train, SCHEDULES["overlap"], steps=30, pin_memory=True, seams=NO_CUTOFF)
     check(ours, reference(train, steps=30))
     st = ours["overlap"]
     assert st["speculative"] == st["committed"] == 90

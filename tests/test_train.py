@@ -184,7 +184,7 @@ def test_subgroup_count_mismatch(tmp_path):
 def test_staging_larger_than_the_gpu_is_refused():
     from types import SimpleNamespace
 
-    from dostune.optim.zero3 import check_staging_fits
+    from dostune.optim.footprint import check_staging_fits
 
     opt = SimpleNamespace(fp16_partitioned_groups_flat_numel=[10**9] * 4)
     sched = ScheduleConfig(gpu_fraction=1.0, staging_buffers=4)

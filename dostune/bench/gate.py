@@ -39,6 +39,7 @@ import argparse
 import ctypes
 import ctypes.util
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -46,11 +47,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 from pydantic import BaseModel, Field
 
-from ..errors import DostuneError, ProfileError
+from ..errors import ConfigError, DostuneError, ProfileError
 from ..records import Record
 
 GATE_KIND = "dostune.gate"
@@ -60,6 +61,11 @@ PROTOCOL = 1
 # One GPU-lane subgroup of 2.4M elements (the sixth of seven: gpu_fraction 0.17, spread), six on the CPU lane.
 GATE_SCHEDULE = {"gpu_fraction": 0.17, "gpu_placement": "spread", "overlap_backward": True, "cpu_threads": 1,
                  "backward_cpu_threads": 1}
+# The test-only switch that makes this tree's CPU lane slower, to prove the gate catches such a slowdown
+# (docs/ci-gate.md): 0.2 makes every CPU-lane update of a subgroup take 20% longer, as a slower kernel would. Read by
+# this tree's worker, which hands the engine the slower update (optim.cpu_lane.CpuLaneSeams); the pinned commit's
+# worker never sees it.
+SLOW_CPU_LANE_ENV = "DOSTUNE_TEST_SLOW_CPU_LANE"
 
 
 class GateSettings(Record):
@@ -142,6 +148,48 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
+def cpu_lane_slowdown() -> float:
+    """The fraction by which the environment asks the CPU lane to be slower; 0 when unset."""
+    text = os.environ.get(SLOW_CPU_LANE_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 10:
+        raise ConfigError(f"{SLOW_CPU_LANE_ENV} must be a fraction between 0 and 10 (0.2: 20% slower), got {text!r}",
+                          hint=f"unset {SLOW_CPU_LANE_ENV}: it is a test-only switch")
+    return value
+
+
+def slowed(update: Callable, fraction: float) -> Callable:
+    """``update``, each call followed by busy work for ``fraction`` of that call's own duration (the thread keeps its
+    CPU busy, so the extra time is CPU time too); ``update`` itself when ``fraction`` is 0."""
+    if not fraction:
+        return update
+
+    @functools.wraps(update)
+    def slower(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = update(*args, **kwargs)
+        t1 = time.perf_counter()
+        end = t1 + fraction * (t1 - t0)
+        while time.perf_counter() < end:
+            pass
+        return out
+
+    return slower
+
+
+def cpu_lane_seams():
+    """The seams this tree's engines are built with: the CPU lane slowed as the environment asks (unset: none)."""
+    from ..optim.cpu_lane import CpuLaneSeams
+
+    fraction = cpu_lane_slowdown()
+    return CpuLaneSeams(wrap_update=functools.partial(slowed, fraction=fraction) if fraction else None)
+
+
 # ---------------------------------------------------------------------------------------------- the worker side
 def worker(settings_json: str) -> int:
     """One side of the gate: build the engine, then answer the parent's lines on stdin ("step 0" untimed, "step 1"
@@ -154,7 +202,6 @@ def worker(settings_json: str) -> int:
     from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
     from ..models.registry import loss_of, resolve_model
     from ..optim.schedule import ScheduleConfig
-    from ..optim.slowdown import cpu_lane_slowdown
     from ..train.engine import build_engine
 
     s = GateSettings.model_validate_json(settings_json)
@@ -163,7 +210,8 @@ def worker(settings_json: str) -> int:
     train = TrainSettings(micro_batch=s.micro_batch, precision=s.precision, clip=s.clip)
     cfg = deepspeed_config(train, OffloadSettings(sub_group_size=s.sub_group_size,
                                                   schedule=ScheduleConfig(**s.schedule)))
-    engines = [build_engine(spec, cfg, seed=s.seed) for _ in range(s.engines)]
+    seams = cpu_lane_seams()
+    engines = [build_engine(spec, cfg, seed=s.seed, seams=seams) for _ in range(s.engines)]
     gens = [torch.Generator().manual_seed(s.seed + 1) for _ in engines]
     proto.write(json.dumps({"protocol": PROTOCOL, "lanes": list(engines[0].optimizer.dostune_plan.lanes),
                             "slow_cpu_lane": cpu_lane_slowdown()}) + "\n")
@@ -234,8 +282,6 @@ def export_package(repo: Path, commit: str, dest: Path) -> None:
 
 
 def _worker_env(root: Path, slow: bool) -> dict:
-    from ..optim.slowdown import SLOW_CPU_LANE_ENV
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # a world of its own
     env["PYTHONPATH"] = str(root)
@@ -296,7 +342,6 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
     """Export the pinned commit's dostune, start both workers, time ``pairs`` steps of each, taking turns."""
     import tempfile
 
-    from ..optim.slowdown import cpu_lane_slowdown
     from ..profile.timing import NullProgress
 
     progress = progress or NullProgress()

@@ -21,15 +21,16 @@ def engine_config_dict(engine) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def attach(engine, schedule: Optional[ScheduleConfig | dict] = None):
+def attach(engine, schedule: Optional[ScheduleConfig | dict] = None, seams=None):
     """Switch a DeepSpeed engine's ZeRO-3 optimizer to the interleaved update.
 
     ``schedule`` defaults to the ``dostune`` section of the engine's config. Without one, the engine is
     left exactly as DeepSpeed built it. Returns the (possibly re-classed) ZeRO-3 optimizer, or None.
     This is the hook for engines built elsewhere: with Accelerate, ``dostune.attach(model)`` on the model
-    ``accelerator.prepare`` returned (a DeepSpeed engine).
+    ``accelerator.prepare`` returned (a DeepSpeed engine). ``seams`` is for tests (cpu_lane.CpuLaneSeams).
     """
     from ..dsconfig import check_dostune_config
+    from .cpu_lane import CpuLaneSeams
     from .zero3 import InterleavedZeroOptimizer
 
     config = engine_config_dict(engine)
@@ -43,7 +44,7 @@ def attach(engine, schedule: Optional[ScheduleConfig | dict] = None):
     if opt is None or not hasattr(opt, "fp32_partitioned_groups_flat"):
         raise ConfigError("the DeepSpeed config has a 'dostune' section, but the engine has no ZeRO stage 3 "
                           "optimizer: set zero_optimization.stage to 3 with offload_optimizer.device 'cpu'")
-    return InterleavedZeroOptimizer.adopt(opt, schedule)
+    return InterleavedZeroOptimizer.adopt(opt, schedule, seams or CpuLaneSeams())
 
 
 def initialize(*args: Any, **kwargs: Any):

@@ -2,9 +2,8 @@
 
 Why: which lane ends the step depends on how fast the host runs that minute. On H100 VMs (16 vCPUs) the same
 schedule had the CPU lane finish all its subgroups during backward and the step wait for the GPU lane's copies
-alone (a fast host), and minutes later the CPU lane still working when the GPU lane was done (a slow one):
-results/h100/rounds-gpt2-1.3b, timelines of rounds-clip0-f and -c. A tuned static split is right for one of
-them. Each subgroup updates to the same values in either lane, so the split may change from step to step; this
+alone (a fast host), and minutes later the CPU lane still working when the GPU lane was done (a slow one). A tuned
+static split is right for one of them. Each subgroup updates to the same values in either lane, so the split may change from step to step; this
 moves the GPU lane's streamed subgroups nearest the CPU lane over while that is predicted to end the step
 sooner, and back when the CPU lane ends last.
 """
@@ -38,10 +37,8 @@ class LaneBalance:
     shorten the predicted step, and neither can follow the other on the same measurements.
 
     A decision applies that rule again to the lane ends it predicts after each move, and makes every move the
-    rule still allows at once. Moving one subgroup per window took 3 steps per subgroup: on the H100 the swing
-    was still climbing (at 3 of 9, where the rule would stop at 4 with a step predicted ~10 ms shorter) when an
-    11-step bench round ended (results/h100/bench-zo-gpt2-1.3b: steps_by_swing and the timeline of
-    bench-swing9-zo)."""
+    rule still allows at once: moving one subgroup per window takes 3 steps per subgroup, and a short run (an
+    11-step bench round on the H100) ended with the swing still climbing, short of where the rule would stop."""
 
     def __init__(self, max_swing: int, window: int = 3):
         if max_swing < 0 or window < 1:

@@ -52,8 +52,7 @@ static inline float from_bf16(uint16_t h)
  * The blocks go to the threads 16 at a time (32K elements), to whichever is free, rather than in equal shares fixed
  * up front: during backward the lane's threads share the cores with the autograd thread and backward's hooks, and
  * with fixed shares one thread the scheduler takes off its core holds up the whole call. Every element's arithmetic
- * is the same either way. On H100 nodes (16 vCPUs, the lane's 16 threads; docs/experiments.md, section 41) the
- * iteration went from 0.266 to 0.262 s (gpt2_0_7b), 0.341 to 0.309 s (llama_0_78b), 0.435 to 0.396 s (gpt2_1_26b)
+ * is the same either way. On H100 nodes (16 vCPUs, the lane's 16 threads) the iteration went from 0.266 to 0.262 s (gpt2_0_7b), 0.341 to 0.309 s (llama_0_78b), 0.435 to 0.396 s (gpt2_1_26b)
  * and 0.375 to 0.355 s (llama_1_1b). */
 #define NT_BLOCK 2048
 

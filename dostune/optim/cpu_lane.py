@@ -11,7 +11,8 @@ Both offer the step the same calls, in the step's order: ``before_gpu`` (before 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -22,23 +23,9 @@ from .host_state import HostStates
 from .norms import GradNorms
 from .overlap import BackwardOverlap, StepOutcome, SubgroupIO
 from .pinned import PinRegistry
-from .pressure import MemoryPressure
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig
-from .slowdown import cpu_lane_slowdown, slowed
-
-
-class _InlineUpload:
-    """A CPU device: the half-precision partition is host memory, written directly."""
-
-    def begin(self, width: int, dtype: torch.dtype) -> None:
-        pass
-
-    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
-        dst.copy_(src)
-
-    def end(self) -> None:
-        pass
+from .uploads import Upload
 
 
 def deepspeed_update(opt, host: HostStates, i: int, inv, trace: list) -> None:
@@ -50,85 +37,28 @@ def deepspeed_update(opt, host: HostStates, i: int, inv, trace: list) -> None:
     trace.append(("cpu", i, c0, time.perf_counter()))
 
 
-def deepspeed_upload(i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
-    """DeepSpeed's own copy of the new params into the half-precision partition: blocking, converted on the host
-    (torch converts a blocking host-to-device copy there), so it needs no device memory."""
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    trace.append(("up", i, t0, time.perf_counter()))
+@dataclass(frozen=True)
+class CpuLaneSeams:
+    """What a test (or the CPU gate's harness) may change of the CPU lane, given when the optimizer is built; the
+    defaults change nothing.
 
+    ``wrap_update``: called once with the lane's per-subgroup update function, returns the function the lane calls
+    instead (the CPU gate's harness makes the lane slower with it, to prove the gate catches that); None: the update
+    as it is. ``partial_norm_cutoff``: overlap_backward stops speculating once the partial gradient norm makes
+    clipping certain; False makes every subgroup speculate, so that a clipped step recomputes them all."""
 
-class _Fp32Upload:
-    """``gpu_convert``: the fp32 result goes up into a device buffer, converted there into the partition. A step
-    whose buffer the device cannot give (GPU memory pressure) uploads with DeepSpeed's own copy instead."""
-
-    def __init__(self, queues: Queues, device: torch.device, pressure: MemoryPressure):
-        self._q, self._device, self._pressure = queues, device, pressure
-        self._staging: Optional[torch.Tensor] = None
-
-    def begin(self, width: int, dtype: torch.dtype) -> None:
-        try:
-            with self._q.on("up"):
-                self._staging = torch.empty(width, device=self._device)
-        except torch.OutOfMemoryError as e:
-            self._staging = None
-            self._pressure.upload_fell_back(width * 4, e)
-
-    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
-        if self._staging is None:
-            deepspeed_upload(i, src, dst, trace)
-            return
-        q, n = self._q, src.numel()
-        with q.on("up"):
-            t_up = q.record("up")
-            self._staging[:n].copy_(src, non_blocking=True)
-            dst.copy_(self._staging[:n])
-            trace.append(("up", i, t_up, q.record("up")))
-
-    def end(self) -> None:
-        self._q.streams["up"].synchronize()
-        self._staging = None
-
-
-class _HalfUpload:
-    """``cpu_convert``: converted on the CPU into one of two pinned buffers, which go up in half precision."""
-
-    def __init__(self, queues: Queues):
-        self._q = queues
-        self._bufs: list[torch.Tensor] = []
-        self._free: list = []
-
-    def begin(self, width: int, dtype: torch.dtype) -> None:
-        self._bufs = [torch.empty(width, dtype=dtype, pin_memory=True) for _ in range(2)]
-        self._free = [None, None]
-
-    def send(self, k: int, i: int, src: torch.Tensor, dst: torch.Tensor, trace: list) -> None:
-        q, n, b = self._q, src.numel(), k % 2
-        if self._free[b] is not None:
-            self._free[b].synchronize()  # the previous upload from this pinned buffer is done
-        self._bufs[b][:n].copy_(src)  # convert on the CPU
-        with q.on("up"):
-            t_up = q.record("up")
-            dst.copy_(self._bufs[b][:n], non_blocking=True)
-            self._free[b] = q.record("up")
-            trace.append(("up", i, t_up, self._free[b]))
-
-    def end(self) -> None:
-        self._bufs, self._free = [], []
+    wrap_update: Optional[Callable[[Callable], Callable]] = None
+    partial_norm_cutoff: bool = True
 
 
 class CpuStepLane:
-    def __init__(self, opt, host: HostStates, queues: Queues, schedule: ScheduleConfig, device: torch.device,
-                 pressure: MemoryPressure):
+    """``upload``: how each result reaches the device (the device's choice for the schedule, uploads.py)."""
+
+    def __init__(self, opt, host: HostStates, schedule: ScheduleConfig, upload: Upload, seams: CpuLaneSeams):
         self._opt, self._host = opt, host
-        self._update = slowed(deepspeed_update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
+        self._update = deepspeed_update if seams.wrap_update is None else seams.wrap_update(deepspeed_update)
         self._threads = schedule.cpu_threads
-        if not queues.cuda:
-            self._upload = _InlineUpload()
-        elif schedule.upload == "gpu_convert":
-            self._upload = _Fp32Upload(queues, device, pressure)
-        else:
-            self._upload = _HalfUpload(queues)
+        self._upload = upload
         self._order: list[int] = []
 
     def in_backward(self, plan: Plan) -> frozenset:
@@ -181,7 +111,7 @@ class CpuStepLane:
 
 class CpuBackwardLane:
     def __init__(self, opt, host: HostStates, grads: GradRouting, norms: GradNorms, adam: AdamSteps,
-                 queues: Queues, pins: PinRegistry, schedule: ScheduleConfig, device: torch.device, plan: Plan):
+                 queues: Queues, pins: PinRegistry, schedule: ScheduleConfig, plan: Plan, seams: CpuLaneSeams):
         self._opt, self._host, self._grads, self._norms, self._queues = opt, host, grads, norms, queues
         self._adam, self._plan = adam, plan
         reach = cpu_lane_reach(plan)
@@ -191,10 +121,10 @@ class CpuBackwardLane:
         self._seen: dict[int, set] = {}
         threads = schedule.cpu_threads or torch.get_num_threads()
         ring = half_ring_count(len(reach), max(host.numel(i) for i in reach))
-        self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, device, pins.pin,
-                                      schedule.backward_cpu_threads or max(1, threads - 1), threads, ring)
+        self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, queues.device, pins.pin,
+                                      schedule.backward_cpu_threads or max(1, threads - 1), threads, ring,
+                                      partial_norm_cutoff=seams.partial_norm_cutoff, wrap_update=seams.wrap_update)
         self.worker.reserve(list(plan.swing_candidates))
-        self.worker._update = slowed(self.worker._update, cpu_lane_slowdown())  # a test-only switch (slowdown.py)
         self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
         self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
 
@@ -232,9 +162,8 @@ class CpuBackwardLane:
         return self._norms.add_partial(self._pids[i])
 
     def _gradient_event(self, i: int) -> tuple:
-        """No partial norm, and the event the worker waits on before reading the gradient copies (on a CPU device
-        none is needed)."""
-        return None, (self._queues.record_current() if self._queues.cuda else None)
+        """No partial norm, and the mark the worker waits for before reading the gradient copies."""
+        return None, self._queues.record_current()
 
     def before_gpu(self) -> None:
         self.worker.prepare()  # this step's CPU Adam constants, before the GPU lane advances step counts

@@ -14,7 +14,7 @@ Either way the gradient norm is recorded as DeepSpeed records it (see norms.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -22,8 +22,10 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..errors import ConfigError
 from .norms import GradNorms
-from .queues import Queues
 from .schedule import Plan
+
+if TYPE_CHECKING:
+    from .device import Device
 
 
 def _gradient_slices(opt) -> dict[int, tuple[int, int]]:
@@ -50,8 +52,8 @@ def _gradient_slices(opt) -> dict[int, tuple[int, int]]:
 
 
 class GradRouting:
-    def __init__(self, opt, norms: GradNorms, queues: Queues, device: torch.device, grads_on_gpu: bool):
-        self._opt, self._norms, self._queues, self._device = opt, norms, queues, device
+    def __init__(self, opt, norms: GradNorms, device: "Device", grads_on_gpu: bool):
+        self._opt, self._norms, self._dev = opt, norms, device
         self._grads_on_gpu = grads_on_gpu
         # Where each subgroup's gradients lie in DeepSpeed's pinned gradient-partition buffer (start, length), when
         # the layout there is the subgroup's own (checked at start-up): the CPU lane during backward reads them there.
@@ -133,8 +135,7 @@ class GradRouting:
             return
         buf = self.device.pop(i)
         self.home.pop(i, None)
-        if self._queues.cuda:
-            self._opt.reduce_and_partition_stream.synchronize()
+        self._dev.synchronize(self._opt.reduce_and_partition_stream)
         self._opt.fp32_partitioned_groups_flat[i].grad.copy_(buf)
 
     # ------------------------------------------------------------- in backward
@@ -157,7 +158,8 @@ class GradRouting:
         return True
 
     def _device_buffer(self, i: int) -> torch.Tensor:
-        return torch.zeros(self._opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32, device=self._device)
+        return torch.zeros(self._opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32,
+                           device=self._dev.torch_device)
 
     def _keep_device(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> bool:
         """Keep the gradient in subgroup i's device buffer; False when that buffer cannot be allocated (its first
@@ -212,8 +214,7 @@ class GradRouting:
         home = self.home.get(i)
         if home is None:
             return None
-        if self._queues.cuda:
-            opt.reduce_and_partition_stream.synchronize()
+        self._dev.synchronize(opt.reduce_and_partition_stream)
         if home == "device":
             return self.device[i].narrow(0, dest_offset, n), i
         return opt.grad_partitions_flat_buffer.narrow(0, self.slices[i][0] + dest_offset, n).float(), i

@@ -3,11 +3,12 @@ every lane reads and writes, and the buffers of the same shape (staging slots, r
 they are copied to and from. Written once here; the lanes only say where from and where to."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 
-from .pinned import PinRegistry
+if TYPE_CHECKING:
+    from .device import Device
 
 
 class Buffers(NamedTuple):
@@ -45,8 +46,8 @@ class HostStates:
     asynchronously, and the one place that swaps in new ones. ``on_replaced(i)`` is told when subgroup i's host
     copies were replaced (a checkpoint load), so that copies kept elsewhere are refreshed from them."""
 
-    def __init__(self, opt, pins: PinRegistry, cuda: bool, on_replaced: Callable[[int], None]):
-        self._opt, self._pins, self._cuda = opt, pins, cuda
+    def __init__(self, opt, device: "Device", pins, on_replaced: Callable[[int], None]):
+        self._opt, self._device, self._pins = opt, device, pins
         self._on_replaced = on_replaced
         self.count = len(opt.fp16_groups)
 
@@ -104,7 +105,7 @@ class HostStates:
     def ensure_pinned(self, i: int) -> None:
         """Adopt subgroup i again if a checkpoint load replaced its states (unpinned, or not created yet)."""
         state = self._adam(i)
-        if not state or (self._cuda and not all(t.is_pinned() for t in self.live(i))):
+        if not state or any(self._device.needs_pinning(t) for t in self.live(i)):
             self.adopt(i)
 
     def commit(self, i: int, new: Buffers) -> Buffers:

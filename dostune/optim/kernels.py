@@ -177,21 +177,44 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 class LaneAdam:
-    """The GPU lane's Adam: Triton on CUDA, DeepSpeed's C++ kernel (own optimizer id) on a CPU device."""
+    """The GPU lane's Adam, picked by the device (device.py ``lane_adam``): ``shadow`` mirrors the beta powers of
+    DeepSpeed's C++ Adam so that the lane uses exactly its constants."""
 
-    def __init__(self, device: torch.device, beta1: float, beta2: float, lr: float, eps: float,
-                 weight_decay: float, adamw: bool):
-        self.device = device
+    def __init__(self, beta1: float, beta2: float, adamw: bool):
         self.adamw = adamw
         self.shadow = AdamScalarShadow(beta1, beta2)
-        self._op = None
-        if device.type != "cuda":
-            self._op = load_cpu_adam_op()
-            self._opt_id = _next_opt_id()
-            self._op.create_adam(self._opt_id, lr, beta1, beta2, eps, weight_decay, adamw, False)
 
     def cpu_ops(self) -> list:
         """(C++ op, optimizer id) pairs this lane owns, for replaying the beta-power history."""
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def update(self, p, g, m, v, half_out, inv_scale, step: int, group: dict, scalars: Optional[AdamScalars]) -> None:
+        """One step of subgroup state (p, m, v) from gradients ``g`` unscaled by ``inv_scale``; writes ``half_out``
+        from the new params when given. ``scalars``: :meth:`AdamScalarShadow.scalars` for this step."""
+        raise NotImplementedError
+
+
+class TritonAdam(LaneAdam):
+    """On a CUDA device: the Triton kernel, on the current stream, from the shadow's constants."""
+
+    def update(self, p, g, m, v, half_out, inv_scale, step: int, group: dict, scalars: Optional[AdamScalars]) -> None:
+        triton_adam_(p, g, m, v, half_out, inv_scale, scalars)
+
+
+class CpuOpAdam(LaneAdam):
+    """On a CPU device: DeepSpeed's own C++ kernel, through an optimizer id of the lane's own (its beta powers
+    advance with the lane's calls, apart from DeepSpeed's); ``scalars`` are unused."""
+
+    def __init__(self, beta1: float, beta2: float, lr: float, eps: float, weight_decay: float, adamw: bool):
+        super().__init__(beta1, beta2, adamw)
+        self._op = load_cpu_adam_op()
+        self._opt_id = _next_opt_id()
+        self._op.create_adam(self._opt_id, lr, beta1, beta2, eps, weight_decay, adamw, False)
+
+    def cpu_ops(self) -> list:
         return [] if self._op is None else [(self._op, self._opt_id)]
 
     def close(self) -> None:
@@ -200,10 +223,6 @@ class LaneAdam:
             self._op = None
 
     def update(self, p, g, m, v, half_out, inv_scale, step: int, group: dict, scalars: Optional[AdamScalars]) -> None:
-        """``scalars`` come from :meth:`AdamScalarShadow.scalars` for CUDA; unused on a CPU device."""
-        if self._op is None:
-            triton_adam_(p, g, m, v, half_out, inv_scale, scalars)
-            return
         g.mul_(inv_scale)
         beta1, beta2 = group["betas"]
         self._op.adam_update(self._opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],

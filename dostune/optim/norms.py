@@ -11,7 +11,7 @@ of 250M-element pieces of bigger partitions: both left to its code.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ from deepspeed.comm import pg_utils
 from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from .queues import Queues
+if TYPE_CHECKING:
+    from .device import Device
 
 RAW_NORM_MAX_NUMEL = 250_000_000  # DeepSpeed norms bigger partitions piece by piece: its own code does it
 
@@ -34,8 +35,8 @@ def clipping_certain(partial_sq, loss_scale: float, clip: Optional[float]) -> bo
 
 
 class GradNorms:
-    def __init__(self, opt, queues: Queues):
-        self._opt, self._queues = opt, queues
+    def __init__(self, opt, device: "Device"):
+        self._opt, self._device = opt, device
         # Python floats replay fp64 operations only: devices without fp64 keep DeepSpeed's own recording
         self.record = self._record if get_norm_dtype() == torch.float64 else self._record_as_deepspeed
         # Parameter id -> the 2-norm of its gradient partition in DeepSpeed's norm dtype, as the norm kernel returns
@@ -79,13 +80,7 @@ class GradNorms:
         done). Raw norms squared differ from DeepSpeed's in the last bit at most: a bound for the cutoff only."""
         sq = torch.stack([self._tensor(p)[0] for p in pids]).double().pow(2).sum()
         self._partial = sq if self._partial is None else self._partial + sq
-        if not self._queues.cuda:
-            return self._partial.clone(), None
-        host = torch.empty((), dtype=torch.float64, pin_memory=True)
-        host.copy_(self._partial, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        return self._device.copy_to_host(self._partial)
 
     def reset_partial(self) -> None:
         self._partial = None

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from . import cpu_kernel
 from .host_state import Buffers, pinned_buffers
 from .kernels import AdamScalars
 from .norms import clipping_certain
+
+if TYPE_CHECKING:
+    from .device import Device
 
 
 # While the CPU lane has work, a thread waiting for the GIL gets it after this long instead of Python's default
@@ -67,14 +70,20 @@ class StepOutcome:
 
 
 class BackwardOverlap:
+    """``partial_norm_cutoff``: stop speculating once the partial norm makes clipping certain (False: every subgroup
+    speculates, and a step that clips recomputes them all). ``wrap_update``: wraps the per-subgroup update once (None:
+    the update as it is). Both are cpu_lane.CpuLaneSeams'."""
+
     def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
-                 scalars: Callable[[], dict[int, AdamScalars]], device: torch.device, pin: Callable,
-                 threads_backward: int, threads_step: int, ring: int):
+                 scalars: Callable[[], dict[int, AdamScalars]], device: "Device", pin: Callable,
+                 threads_backward: int, threads_step: int, ring: int, partial_norm_cutoff: bool = True,
+                 wrap_update: Optional[Callable[[Callable], Callable]] = None):
         self.subgroups = list(subgroups)
         self._io, self._scalars_fn, self._pin = io, scalars, pin
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self._device = device
         self.threads_backward, self.threads_step = threads_backward, threads_step
+        self._partial_norm_cutoff = partial_norm_cutoff
+        self._run_update = self._update if wrap_update is None else wrap_update(self._update)
         self._shadows: dict[int, Buffers] = {}
         # Pinned half-precision results waiting for their upload, used round robin: ``ring`` buffers (see
         # footprint.half_ring_count), each allocated at its first use and grown to the widest subgroup it serves.
@@ -82,12 +91,8 @@ class BackwardOverlap:
         self._half_done: list = [None] * ring
         self._switch_interval: Optional[float] = None
         # Uploads of half-precision results; 0 is CUDA's lowest priority, so backward's kernels go first.
-        self._stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
+        self._stream = device.new_stream(priority=0)
         self._tasks: queue.Queue = queue.Queue()
-        # Stop speculating once the partial norm makes clipping certain. A test seam, not an experiment: the parity
-        # tests turn it off so that every subgroup speculates and the recompute path runs on a model whose first
-        # subgroup already clips.
-        self.partial_norm_cutoff = True
         self._thread: Optional[threading.Thread] = None
         self._begin_step()
 
@@ -196,8 +201,7 @@ class BackwardOverlap:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        if self.cuda:  # a new thread starts on device 0; each rank's worker must use its rank's GPU
-            torch.cuda.set_device(self.device)
+        self._device.enter_thread()
         deferred: list[int] = []
         while True:
             task = self._tasks.get()
@@ -206,11 +210,10 @@ class BackwardOverlap:
                     return
                 if task[0] == "ready":
                     _, i, event, partial_sq = task
-                    if event is not None:
-                        event.synchronize()  # the subgroup's gradient copies (and its partial norm) are done
+                    self._device.wait_for(event)  # the subgroup's gradient copies (and its partial norm) are done
                     if self._may_speculate(partial_sq):
-                        self._update(i, self.spec_inv,
-                                     self.threads_backward if self._submitted is None else self.threads_step)
+                        self._run_update(i, self.spec_inv,
+                                         self.threads_backward if self._submitted is None else self.threads_step)
                         self._speculative.add(i)
                     else:
                         deferred.append(i)
@@ -222,7 +225,7 @@ class BackwardOverlap:
                 else:
                     redo = [] if commit else sorted(self._speculative)
                     for i in redo + deferred:
-                        self._update(i, inv, self.threads_step)
+                        self._run_update(i, inv, self.threads_step)
                     self._final = set(self._speculative) | set(deferred)
                 self._sync_uploads()
             except BaseException as e:  # noqa: BLE001 - handed to the step, which raises it
@@ -236,7 +239,7 @@ class BackwardOverlap:
     def _may_speculate(self, partial_sq) -> bool:
         if self.spec_inv is None or self._stop_speculating:
             return False
-        if partial_sq is not None and self.partial_norm_cutoff and \
+        if partial_sq is not None and self._partial_norm_cutoff and \
                 clipping_certain(partial_sq, self.loss_scale, self.clip_threshold):
             self._stop_speculating = True
             return False
@@ -245,8 +248,7 @@ class BackwardOverlap:
     def reserve(self, subgroups: list[int]) -> None:
         """Allocate and page-lock the shadow buffers of ``subgroups`` now instead of at their first update: a
         subgroup adaptive_swing moves to this lane mid-run otherwise pays for 12 bytes per element of fresh pinned
-        memory inside that step (on the H100 a 25M-element subgroup's update ended ~190 ms late,
-        results/h100/swing-gpt2-1.3b/swing4-timeline-a.png)."""
+        memory inside that step (on the H100 a 25M-element subgroup's update ended ~190 ms late)."""
         for i in subgroups:
             self._buffers(i, self._io(i))
 
@@ -260,7 +262,7 @@ class BackwardOverlap:
     def _half_buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._halves[k]
         if buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+            buf = self._device.host_empty(n, dtype)
             self._halves[k] = buf
         return buf[:n]
 
@@ -269,8 +271,7 @@ class BackwardOverlap:
         b = self._buffers(i, io)
         n = io.param.numel()
         k = len(self._spans) % len(self._halves)
-        if self._half_done[k] is not None:
-            self._half_done[k].synchronize()  # the last upload from this pinned buffer has finished
+        self._device.wait_for(self._half_done[k])  # the last upload from this pinned buffer has finished
         # fp32 training keeps fp32 "half" partitions: the new params themselves (the shadow, pinned) are uploaded
         rounded = io.half.dtype in (torch.bfloat16, torch.float16)
         half = self._half_buffer(k, n, io.half.dtype) if rounded else b.p
@@ -280,26 +281,19 @@ class BackwardOverlap:
                                      threads=threads)
         t1 = time.perf_counter()
         self._spans.append(("cpu", i, t0, t1))
-        if not self.cuda:
-            io.half.copy_(half)
-            return
-        with torch.cuda.stream(self._stream):
+        dev = self._device
+        with dev.on(self._stream):
             io.half.copy_(half, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
+            ev = dev.record(self._stream, timing=False)
         self._half_done[k] = ev
 
     def _restore_half(self, i: int) -> None:
         io = self._io(i)
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                io.half.copy_(io.param.to(io.half.dtype), non_blocking=False)
-        else:
-            io.half.copy_(io.param)
+        with self._device.on(self._stream):
+            io.half.copy_(io.param.to(io.half.dtype), non_blocking=False)
 
     def _sync_uploads(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._device.synchronize(self._stream)
         self._half_done = [None] * len(self._halves)
 
     @staticmethod

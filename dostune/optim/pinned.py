@@ -5,7 +5,8 @@ pageable memory; only gradients are pinned. Pageable memory cannot be copied asy
 stages it through a bounce buffer, ~6.5 GB/s on the H100 node instead of ~52), so the GPU lane needs
 them pinned. Registering the tensors in place with cudaHostRegister keeps their identity (DeepSpeed and
 its checkpoints hold references to them) and wastes nothing, unlike ``pin_memory()``, which copies and
-rounds each allocation up to a power of two.
+rounds each allocation up to a power of two. A CPU device copies nothing across a bus and pins nothing
+(``NoPins``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class PinRegistry:
 
     def pin(self, key, t: torch.Tensor) -> bool:
         """Page-lock ``t``'s storage. True if it is pinned afterwards."""
-        if t.device.type != "cpu" or not torch.cuda.is_available() or t.numel() == 0:
+        if t.device.type != "cpu" or t.numel() == 0:
             return False
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -54,3 +55,16 @@ class PinRegistry:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class NoPins:
+    """PinRegistry's calls on a CPU device, where nothing is page-locked."""
+
+    def pin(self, key, t: torch.Tensor) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0

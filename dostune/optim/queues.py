@@ -1,4 +1,4 @@
-"""Streams and events for the lanes, with the same interface on a CPU device (where work runs inline).
+"""The lanes' streams, on the device the optimizer runs on (device.py; on a CPU device, work runs inline).
 
 On a GPU the lanes use four streams so that independent work overlaps:
   ``h2d``     GPU-lane subgroups' fp32 state in (params, exp_avg, exp_avg_sq, grads)
@@ -10,69 +10,50 @@ is free to run CPU Adam (which holds the GIL) while the copy engines and SMs wor
 """
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    from .device import Device
 
 STREAMS = ("h2d", "compute", "d2h", "up")
 
 
 class Queues:
-    def __init__(self, device: torch.device, timing: bool = False):
+    def __init__(self, device: "Device", timing: bool = False):
         self.device = device
-        self.cuda = device.type == "cuda"
         self.timing = timing
-        self.streams = {name: torch.cuda.Stream(device=device) for name in STREAMS} if self.cuda else {}
+        self.streams = {name: device.new_stream() for name in STREAMS}
 
     def on(self, name: str):
-        return torch.cuda.stream(self.streams[name]) if self.cuda else contextlib.nullcontext()
+        return self.device.on(self.streams[name])
 
     def record(self, name: str, timing: Optional[bool] = None):
-        """An event marking everything queued on ``name`` so far (a host timestamp on a CPU device)."""
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=self.timing if timing is None else timing)
-        ev.record(self.streams[name])
-        return ev
+        """A mark of everything queued on ``name`` so far (a host timestamp on a CPU device)."""
+        return self.device.record(self.streams[name], self.timing if timing is None else timing)
 
     def record_current(self):
-        """An event marking what the current stream has queued so far (a host timestamp on a CPU device)."""
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=self.timing)
-        ev.record()
-        return ev
+        """A mark of what the current stream has queued so far (a host timestamp on a CPU device)."""
+        return self.device.record_current(self.timing)
+
+    def sync(self, name: str) -> None:
+        """Wait on the host until ``name`` is idle."""
+        self.device.synchronize(self.streams[name])
 
     def drain(self) -> None:
         """Wait on the host until every lane stream is idle."""
-        for s in self.streams.values():
-            s.synchronize()
+        for name in STREAMS:
+            self.sync(name)
 
-    def wait(self, name: str, event) -> None:
-        if self.cuda and event is not None:
-            self.streams[name].wait_event(event)
+    def wait(self, name: str, mark) -> None:
+        """``name`` runs what is queued on it next after ``mark`` (None: at once)."""
+        self.device.wait(self.streams[name], mark)
 
     def after_current(self) -> None:
         """Side streams start after what the default stream has queued (backward, grad reduction)."""
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            for s in self.streams.values():
-                s.wait_stream(cur)
+        self.device.streams_follow_current(self.streams.values())
 
     def join(self) -> None:
         """The default stream continues after the lanes' GPU work, and the host after their copies back."""
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            for name in ("compute", "up"):
-                cur.wait_stream(self.streams[name])
-            self.streams["d2h"].synchronize()
-            self.streams["up"].synchronize()
-
-    @staticmethod
-    def elapsed(start, end) -> float:
-        """Seconds between two records."""
-        if isinstance(start, float):
-            return end - start
-        return start.elapsed_time(end) / 1e3
+        self.device.current_follows([self.streams["compute"], self.streams["up"]])
+        self.sync("d2h")
+        self.sync("up")

@@ -17,44 +17,50 @@ import time
 
 import numpy as np
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
 from .adam_steps import AdamSteps
-from .cpu_lane import CpuBackwardLane, CpuStepLane, deepspeed_update, deepspeed_upload
+from .cpu_lane import CpuBackwardLane, CpuLaneSeams, CpuStepLane, deepspeed_update
+from .device import pick_device
+from .footprint import check_host_fits, check_staging_fits
 from .gpu_lane import ResidentGpuLane, StreamedGpuLane
 from .grads import GradRouting
 from .host_state import HostStates
-from .kernels import LaneAdam
 from .norms import GradNorms
-from .pinned import PinRegistry
 from .pressure import MemoryPressure
 from .queues import Queues
 from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
 from .swing import AdaptiveSplit, FixedSplit
 from .timeline import StepClock
+from .uploads import deepspeed_upload
 
 
 class InterleavedStep:
-    def __init__(self, opt, schedule: ScheduleConfig):
+    """``seams``: what a test may change of the CPU lane (cpu_lane.CpuLaneSeams; the default changes nothing)."""
+
+    def __init__(self, opt, schedule: ScheduleConfig, seams: CpuLaneSeams = CpuLaneSeams()):
         self.opt, self.schedule = opt, schedule
         self.count = len(opt.fp16_groups)
         plan = make_plan(self.count, schedule)
-        device = torch.device(get_accelerator().current_device_name())
+        # The one place that asks which device this rank runs on: every object below gets its answer.
+        self.device = device = pick_device()
+        # Refused before anything is allocated, so that a config that cannot fit fails in seconds.
+        check_staging_fits(opt, schedule, device.free_bytes())
+        check_host_fits(opt, schedule)
         self.queues = q = Queues(device, timing=schedule.trace)
-        self.pins = PinRegistry()
+        self.pins = device.pin_registry()
         d = opt.optimizer.defaults
-        self.lane_adam = LaneAdam(device, d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
-                                  opt.optimizer.adam_w_mode)
-        self.host = HostStates(opt, self.pins, q.cuda, on_replaced=self.host_changed)
-        self.norms = GradNorms(opt, q)
-        self.grads = GradRouting(opt, self.norms, q, device, schedule.grads_on_gpu)
+        self.lane_adam = device.lane_adam(d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
+                                          opt.optimizer.adam_w_mode)
+        self.host = HostStates(opt, device, self.pins, on_replaced=self.host_changed)
+        self.norms = GradNorms(opt, device)
+        self.grads = GradRouting(opt, self.norms, device, schedule.grads_on_gpu)
         self.adam = AdamSteps(opt, self.host, self.lane_adam)
         self.pressure = MemoryPressure()
-        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, device)
+        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, device.torch_device)
         self.streamed = StreamedGpuLane(self.host, self.grads, q, self.lane_adam, schedule.staging_buffers,
-                                        schedule.grads_on_gpu, device)
+                                        schedule.grads_on_gpu, device.torch_device)
         for i in range(self.count):
             self.host.adopt(i)
         # DeepSpeed page-locks its gradient-partition buffer only with offload_optimizer.pin_memory, and then as a
@@ -65,9 +71,10 @@ class InterleavedStep:
             self.pins.pin("grad_partitions", flat)
         if updates_in_backward(plan, schedule):
             self.cpu = CpuBackwardLane(opt, self.host, self.grads, self.norms, self.adam, q, self.pins, schedule,
-                                       device, plan)
+                                       plan, seams)
         else:
-            self.cpu = CpuStepLane(opt, self.host, q, schedule, device, self.pressure)
+            self.cpu = CpuStepLane(opt, self.host, schedule, device.cpu_lane_upload(schedule.upload, q, self.pressure),
+                                   seams)
         self.split = AdaptiveSplit(len(plan.swing_candidates), q) if plan.swing_candidates else FixedSplit()
         self.clock = StepClock(q, schedule.trace)
         self._set_plan(plan)

@@ -3,10 +3,7 @@ lane's streamed subgroups the CPU lane takes next. ``FixedSplit`` stands in when
 step calls the same three methods either way."""
 from __future__ import annotations
 
-import time
 from typing import Optional
-
-import torch
 
 from .balance import LaneBalance, LaneTimes, lane_times
 from .queues import Queues
@@ -40,19 +37,17 @@ class AdaptiveSplit:
 
     def start(self) -> None:
         """Called once the gradient norm has been copied to the host: the GPU has caught up, so an event recorded
-        now runs at about this host time, and the lanes' ends are measured from it."""
-        self._origin = None
-        if self._q.cuda:
-            self._origin = (torch.cuda.Event(enable_timing=True), time.perf_counter())
-            self._origin[0].record()
+        now runs at about this host time, and the lanes' ends are measured from it (None on a CPU device: not
+        measured)."""
+        self._origin = self._q.device.start_clock()
 
     def gpu_queued(self) -> None:
         self._gpu_ends = [self._q.record(lane, timing=True) for lane in ("compute", "d2h")] \
             if self._origin is not None else []
 
     def _times(self, trace: list, streamed: int) -> Optional[LaneTimes]:
-        """This step's lane ends (None where they cannot be measured: no CUDA, or no cost of one more subgroup known
-        yet for a lane)."""
+        """This step's lane ends (None where they cannot be measured: a CPU device, or no cost of one more subgroup
+        known yet for a lane)."""
         if self._origin is None:
             return None
         ev0, t0 = self._origin

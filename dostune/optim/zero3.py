@@ -55,7 +55,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..deepspeed_support import check_deepspeed, remember_cpu_info
 from ..errors import ConfigError
-from .footprint import check_host_fits, check_staging_fits
+from .cpu_lane import CpuLaneSeams
 from .schedule import Plan, ScheduleConfig
 from .step import InterleavedStep
 from .timeline import Span
@@ -94,8 +94,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     _dos: InterleavedStep
 
     @classmethod
-    def adopt(cls, opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig) -> "InterleavedZeroOptimizer":
-        """Turn a constructed DeepSpeed ZeRO-3 optimizer into an interleaved one, in place."""
+    def adopt(cls, opt: DeepSpeedZeroOptimizer_Stage3, schedule: ScheduleConfig,
+              seams: CpuLaneSeams = CpuLaneSeams()) -> "InterleavedZeroOptimizer":
+        """Turn a constructed DeepSpeed ZeRO-3 optimizer into an interleaved one, in place. ``seams``: what a test
+        may change of the CPU lane (the default changes nothing)."""
         if isinstance(opt, cls):
             return opt
         # the overrides below replace private Stage-3 methods: every way in (initialize, attach, the HF callback)
@@ -118,9 +120,7 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"at sub_group_size {opt.sub_group_size:g}",
                 hint="tune for exactly this model (a Hugging Face model: --model hf:its-config.json; the subgroups follow "
                      "its parameter order), or carry the schedule over with `dostune refit`")
-        check_staging_fits(opt, schedule)
-        check_host_fits(opt, schedule)
-        opt._dos = InterleavedStep(opt, schedule)  # built on the DeepSpeed object, before any method is replaced
+        opt._dos = InterleavedStep(opt, schedule, seams)  # built on the DeepSpeed object, before any method is replaced
         opt.__class__ = cls
         return opt
 

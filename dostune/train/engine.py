@@ -123,24 +123,26 @@ def exit_skipping_teardown() -> NoReturn:
 
 
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
-                 rank_timeout_s: Optional[float] = None):
+                 rank_timeout_s: Optional[float] = None, seams=None):
     """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built), its
     transformer blocks ZeRO-3 leaf modules (leaf_blocks.py), and wrap it in a DeepSpeed engine; with ``use_dostune``
-    a ``dostune`` section switches the optimizer. An ``activation_checkpointing`` section makes the model checkpoint
-    every transformer block.
+    a ``dostune`` section switches the optimizer (as ``dostune.initialize`` does, with the test ``seams`` of
+    optim.cpu_lane.CpuLaneSeams if given). An ``activation_checkpointing`` section makes the model checkpoint every
+    transformer block.
     ``rank_timeout_s``: see ensure_distributed."""
     import deepspeed
 
-    from ..optim.api import initialize
+    from ..optim.api import attach
 
     ensure_distributed(rank_timeout_s)
     torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = spec.build(checkpointing=activation_checkpointing(ds_config))
     mark_leaf_blocks(model)  # every method's engine alike, so the profiles measure the engine training runs
-    init = initialize if use_dostune else deepspeed.initialize
-    engine, *_ = init(model=model, config=ds_config, model_parameters=[p for p in model.parameters()
-                                                                        if p.requires_grad])
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if use_dostune:  # what dostune.initialize adds to deepspeed.initialize once the leaf blocks are marked
+        attach(engine, seams=seams)
     return engine
 
 
