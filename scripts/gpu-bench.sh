@@ -135,7 +135,7 @@ for step in "$@"; do
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       fi ;;
     report)
-      python -m dostune.tune.validation_report "$OUT"/validate-*/tune.json --output "$OUT/validation-report.md" \
+      python -m tools.validation_report "$OUT"/validate-*/tune.json --output "$OUT/validation-report.md" \
         || rc=1 ;;
     check:*)
       model=${step#check:}

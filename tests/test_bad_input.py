@@ -15,7 +15,7 @@ from dostune.optim.schedule import ScheduleConfig
 from dostune.profile.paths import shipped_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "results" / "ci-cpu" / "baseline.json"  # a real bench result
+BENCH = ROOT / "tests" / "data" / "bench-cpu.json"  # a real bench result, measured on a CPU
 
 
 def _unwritable_dir(tmp_path: Path):

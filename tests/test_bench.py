@@ -321,8 +321,8 @@ class _FakeEngine:
 
 
 def test_each_timed_iteration_records_the_swing_its_step_ran_with(monkeypatch):
-    """Which split a process settled into, beside the times it took (docs/experiments.md, section 22): the swing each
-    kept iteration's step ran with, an iteration set aside for steal dropped with its times."""
+    """Which split a process settled into, beside the times it took (processes of one schedule may differ): the
+    swing each kept iteration's step ran with, an iteration set aside for steal dropped with its times."""
     from types import SimpleNamespace
 
     from dostune.profile.timing import NullProgress

@@ -123,16 +123,17 @@ def test_one_rule_for_percentages():
 def test_tables_are_not_cut_in_a_log(monkeypatch, tmp_path):
     """Without a terminal (a log, CI) the console is wide enough for the tuning tables."""
     from dostune.cli.common import LOG_WIDTH, _console
-    from dostune.cli.tune import render_trials
+    from dostune.cli.tune import render_summary, render_trials
     from dostune.tune.search import TuneOptions, run_tune
 
     monkeypatch.delenv("COLUMNS", raising=False)
     console = _console(stderr=True)
     assert console.width == LOG_WIDTH
     res, _, _ = run_tune(TuneOptions(trials=3, output_dir=tmp_path, profile=None if not _cuda() else _node()))
-    with console.capture() as cap:
-        console.print(render_trials(res))
-    assert "…" not in cap.get() and "sub_group_size" in cap.get()
+    for table in (render_trials(res), render_summary(res)):
+        with console.capture() as cap:
+            console.print(table)
+        assert "…" not in cap.get() and "sub_group_size" in cap.get()
 
 
 def _cuda():

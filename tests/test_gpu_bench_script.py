@@ -78,7 +78,7 @@ def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
     """model:, tune:, bench: and train: take hf=PATH and py=MODULE.FACTORY as validate: does, and name their files by
     the config's or the factory's name."""
     calls, out, env = _stubbed(tmp_path)
-    shape = "py=examples.validation_shapes.gpt2_1_6b"
+    shape = "py=tools.validation_shapes.gpt2_1_6b"
     cmd = ["bash", "scripts/gpu-bench.sh", "model:hf=tests/data/tiny-llama.json", f"tune:{shape}",
            f"bench:{shape}:--rounds+2", f"train:{shape}"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -86,7 +86,7 @@ def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
     lines = calls.read_text().splitlines()
     assert lines[0] == (f"profile --model hf:tests/data/tiny-llama.json --micro-batch 8 --seq 1024 --name n1 "
                         f"--output {out}/model-tiny-llama.json --plot {out}/model-tiny-llama.png --force")
-    factory = "examples.validation_shapes:gpt2_1_6b"
+    factory = "tools.validation_shapes:gpt2_1_6b"
     assert lines[1] == (f"tune --model {factory} --profile {out}/node.json --model-profile {out}/model-gpt2_1_6b.json "
                         f"--num-gpus 1 --output-dir {out}/tune-gpt2_1_6b --storage sqlite:///{out}/study-gpt2_1_6b.db")
     assert lines[2] == f"bench --model {factory} --output {out}/bench-gpt2_1_6b.json --rounds 2"

@@ -1,15 +1,14 @@
-"""The performance model against every committed H100 bench that has a matching model profile: each bench's schedule
-(and ZeRO-Offload) predicted from the shipped node profile and that model profile, as `dostune tune` would, beside what
-the bench measured (docs/performance-model.md, "Checked against the committed benches").
+"""The performance model against measured benches: each bench's schedule (and ZeRO-Offload) predicted from the shipped
+node profile and the model profile of its host, as `dostune tune` would, beside what the bench measured. The benches'
+medians and schedules are in tests/data/model-check/benches.json, with the model profiles the shipped ones lack.
 
-Nothing in the model was fitted to these files: the coefficients come from the profiles, and where those profiles
-(all older than schema 3) lack a measurement, from the fallbacks in perfmodel/coefficients.py, taken from other files
-(a trace, a probe, three halfgrads benches). The bounds below are what the model achieves on them, with a little room;
-they fail when a change makes the model worse on measured data. The machines differed from the one the node profile
-was measured on and drifted by minutes (docs/experiments.md), so errors of 10-20% on single runs are the noise floor.
+Nothing in the model was fitted to these benches: the coefficients come from the profiles, and where those profiles
+(all older than schema 3) lack a measurement, from the fallbacks in perfmodel/coefficients.py, taken from other
+measurements. The bounds below are what the model achieves on them, with a little room; they fail when a change makes
+the model worse on measured data. The benches ran on other hosts than the node profile's and minutes apart, so errors
+of 10-20% on single runs are the measurement's own spread.
 """
 import json
-import re
 import statistics
 from pathlib import Path
 
@@ -26,25 +25,12 @@ from dostune.profile.record import load_node_profile
 from dostune.tune.space import Space
 
 ROOT = Path(__file__).resolve().parents[1]
-H100 = ROOT / "results" / "h100"
-GPT2_1_3B = ["bench-gpt2-1.3b.json", *(f"halfgrads-gpt2-1.3b/tuned-clip0-{x}.json" for x in
-                                      ("machine1", "machine2-run1", "machine2-run2")),
-             *(f"multi-gpt2-1.3b/{x}.json" for x in ("bench-zo-d", "tuned-g", "tuned-h", "tuned-i")),
-             *(f"rounds-gpt2-1.3b/rounds-clip0-{x}.json" for x in "cdef"),
-             *(f"swing-gpt2-1.3b/{x}.json" for x in ("static-c", "static-d", "swing4-c", "swing4-d")),
-             # kept as the bench's Markdown only
-             *(f"refactor-gpt2-1.3b/{x}.md" for x in ("before", "after", "final"))]
-# model -> (its model profile, the benches with it)
-CASES = {
-    "gpt2-1.3b": (shipped_profile("h100-pcie5-gpt2-1.3b-b8-s1024.json"), GPT2_1_3B),
-    "gpt2-2.7b": (shipped_profile("h100-pcie5-gpt2-2.7b-b8-s1024.json"), ["bench-gpt2-2.7b.json"]),
-    "llama-7b": (H100 / "llama-7b" / "model-profile.json", ["llama-7b/bench.json"]),
-    "gpt2-6.7b": (H100 / "gpt2-6.7b" / "model-profile.json", ["gpt2-6.7b/bench.json"]),
-}
-# The 2026-11-22 benches ran dostune as it was that day: its GPU-lane states streamed in during backward
-# (prefetch_states, removed: +0.09 s of backward for gpt2-1.3b, docs/experiments.md section 2) and DeepSpeed's full
-# gradient copies (cut on 11-23, section 6). The model predicts today's optimizer, so it under-predicts them.
-OLDER_CODE = {"bench-gpt2-1.3b.json", "bench-gpt2-2.7b.json"}
+DATA = ROOT / "tests" / "data" / "model-check"
+BENCHES = json.loads((DATA / "benches.json").read_text())
+
+
+def _profile_path(name: str) -> Path:
+    return shipped_profile(name.removeprefix("shipped:")) if name.startswith("shipped:") else DATA / name
 
 
 def _space(model: str, profile_path: Path, spec: str = None) -> Space:
@@ -56,48 +42,29 @@ def _space(model: str, profile_path: Path, spec: str = None) -> Space:
 
 
 def _schedule(method: dict) -> tuple[int, ScheduleConfig]:
-    cfg = method["ds_config"]
-    section = {k: v for k, v in cfg["dostune"].items() if k not in REMOVED_KEYS}
-    return cfg["zero_optimization"]["sub_group_size"], ScheduleConfig.model_validate(section)
-
-
-def _bench(path: Path) -> dict:
-    """A bench record's methods; from its Markdown where only that was kept: the table's medians, the dostune
-    section of the config its command names."""
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    text = path.read_text()
-    config = json.loads((ROOT / re.search(r"--config (\S+)", text).group(1)).read_text())
-    methods = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 9 and cells[0] in ("zero-offload", "dostune"):
-            times = dict(zip(("iter_s", "fwd_s", "bwd_s", "step_s"), map(float, cells[1:5])))
-            methods[cells[0]] = {"ran": True, **times, "ds_config": config if cells[0] == "dostune" else None}
-    return {"methods": methods}
+    section = {k: v for k, v in method["dostune"].items() if k not in REMOVED_KEYS}
+    return method["sub_group_size"], ScheduleConfig.model_validate(section)
 
 
 def _rows() -> list[dict]:
     rows = []
-    for model, (profile_path, benches) in CASES.items():
-        space = _space(model, profile_path)
+    for model, case in BENCHES["models"].items():
+        space = _space(model, _profile_path(case["model_profile"]))
         zo = space.zero_offload()
-        for name in benches:
-            bench = _bench(H100 / name)
+        for bench in case["benches"]:
             for method, m in bench["methods"].items():
-                if not m.get("ran") or not (method == "zero-offload" or method.startswith("dostune")):
-                    continue
                 if method == "zero-offload":
-                    if m["ds_config"] is not None:  # the bench ran it in the form the model profile did
-                        assert m["ds_config"]["zero_optimization"]["offload_optimizer"].get("pin_memory") == zo.pinned
+                    if m["pin_memory"] is not None:  # the bench ran it in the form the model profile did
+                        assert m["pin_memory"] == zo.pinned
                     pred = {"fwd": zo.fwd_s, "bwd": zo.bwd_s, "step": zo.step_s, "iter": zo.iter_s}
                 else:
                     p = space.predict_schedule(*_schedule(m))
                     pred = {"fwd": p.fwd_s, "bwd": p.bwd_s, "step": p.step_s, "iter": p.iter_s}
-                rows.append({"model": model, "bench": name, "method": "zero-offload" if method == "zero-offload"
-                             else "dostune", "older": name in OLDER_CODE and method != "zero-offload",
-                             **{f"err_{ph}": pred[ph] / m[f"{ph}_s"] - 1 for ph in pred},
-                             **{f"pred_{ph}": pred[ph] for ph in pred}, **{f"meas_{ph}": m[f"{ph}_s"] for ph in pred}})
+                rows.append({"model": model, "bench": bench["bench"], "method": "zero-offload"
+                             if method == "zero-offload" else "dostune",
+                             "older": bench["older_code"] and method != "zero-offload",
+                             **{f"err_{ph}": pred[ph] / m[ph] - 1 for ph in pred},
+                             **{f"pred_{ph}": pred[ph] for ph in pred}, **{f"meas_{ph}": m[ph] for ph in pred}})
     return rows
 
 
@@ -156,24 +123,23 @@ def test_dostunes_backward_is_its_own_not_zero_offloads(rows):
 
 
 def test_the_older_code_is_under_predicted_as_expected(rows):
-    """The 11-22 benches' dostune moved more in backward than today's: the model, of today's, predicts less."""
+    """Two benches ran an older dostune, whose GPU-lane states streamed in during backward and which kept DeepSpeed's
+    full gradient copies: it moved more in backward than today's, and the model, of today's, predicts less."""
     older = [r for r in rows if r["older"]]
     assert len(older) == 2 and all(r["err_bwd"] < -0.2 for r in older)
 
 
 def test_the_hf_trainer_run_is_bounded_by_its_samples_per_second():
-    """The Hugging Face Trainer run (results/h100/hf-trainer-llama-1.1b) reports only samples/s over its 40 steps,
-    the first steps' one-time work included (page-locking 16 GiB of optimizer state, the first Adam states): its
-    seconds per step bound each method's iteration from above. The model stays below both, and predicts the
-    ZeRO-Offload run, whose first step does little more than its others, within 20%."""
-    folder = H100 / "hf-trainer-llama-1.1b"
-    space = _space("llama-1.1b", folder / "model-profile.json", "hf:" + str(ROOT / "examples" / "llama-1.1b.json"))
-    cfg = json.loads((folder / "ds_config.json").read_text())
-    micro_batch = load_model_profile(folder / "model-profile.json").micro_batch
-    per_step = {m: micro_batch / json.loads((folder / f"hf-{m}.json").read_text())["train_samples_per_second"]
-                for m in ("dostune", "zo")}
-    sgs, sched = _schedule({"ds_config": cfg})
-    dostune = space.predict_schedule(sgs, sched).iter_s
+    """A Hugging Face Trainer run reports only samples/s over its 40 steps, the first steps' one-time work included
+    (page-locking 16 GiB of optimizer state, the first Adam states): its seconds per step bound each method's
+    iteration from above. The model stays below both, and predicts the ZeRO-Offload run, whose first step does little
+    more than its others, within 20%."""
+    hf = BENCHES["hf_trainer"]
+    profile = DATA / hf["model_profile"]
+    space = _space("llama-1.1b", profile, "hf:" + str(ROOT / "examples" / "llama-1.1b.json"))
+    micro_batch = load_model_profile(profile).micro_batch
+    per_step = {m: micro_batch / sps for m, sps in hf["samples_per_second"].items()}
+    dostune = space.predict_schedule(*_schedule(hf)).iter_s
     zo = space.zero_offload().iter_s
     assert dostune < per_step["dostune"] and zo < per_step["zo"]
     assert abs(zo / per_step["zo"] - 1) < 0.2

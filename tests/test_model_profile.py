@@ -154,10 +154,10 @@ def test_the_probes_rounds_fill_their_seconds_and_every_rank_runs_the_most_any_n
 
 
 def test_pass_spread_is_each_passs_interquartile_range_over_its_median():
-    from pathlib import Path
     from dostune.profile.model_record import ProbeRound, load_model_profile
+    from dostune.profile.paths import shipped_profile
 
-    prof = load_model_profile(Path(__file__).resolve().parents[1] / "results/h100/heldout-8/llama_6_4b-profile.json")
+    prof = load_model_profile(shipped_profile("h100-pcie5-gpt2-1.3b-b8-s1024.json"))
 
     def spread(rounds):
         return prof.model_copy(update={"probe_rounds": rounds}).pass_spread()

@@ -58,26 +58,3 @@ def test_factory_must_return_a_pair(tmp_path, monkeypatch):
     spec = resolve_model("badfactory:make")
     with pytest.raises(DostuneError, match=r"must return \(nn.Module, batch_fn\)"):
         spec.build()
-
-
-def test_no_validation_shape_repeats_an_architecture_but_those_named(monkeypatch):
-    # a held-out shape is unseen only if no earlier shape or preset has its architecture: a new shape that repeats one
-    # fails here, and so does a repeat named in REPEATS that is not one
-    import dataclasses
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    from examples.validation_shapes import REPEATS, SHAPES
-
-    def architecture(cfg):
-        return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "max_positions")
-
-    first: dict = {}
-    for name, cfg in [*PRESETS.items(), *SHAPES.items()]:
-        key = architecture(cfg)
-        if key in first:
-            assert REPEATS.get(name) == first[key], f"{name} repeats {first[key]}'s architecture"
-        else:
-            assert name not in REPEATS, f"{name} is named a repeat of {REPEATS[name]} but is not one"
-            first[key] = name
-    assert set(REPEATS) <= set(SHAPES)

@@ -1,4 +1,4 @@
-"""`dostune tune --validate`: the rows it records, its figure and the report across models, on the CPU with a fake
+"""`dostune tune --validate`: the rows it records, its figure and what the command prints, on the CPU with a fake
 measurement in place of the bench's GPU runs (which tests/test_gpu.py and scripts/gpu-bench.sh validate:MODEL run)."""
 import json
 
@@ -7,11 +7,10 @@ import pytest
 from dostune.bench.record import MethodResult
 from dostune.errors import DostuneError, NotAvailable
 from dostune.profile.paths import shipped_profile
-from dostune.records import SetAside, Span
-from dostune.tune import validation_report
+from dostune.records import SetAside
 from dostune.tune.record import TuneResult
 from dostune.tune.search import TuneOptions, run_tune
-from dostune.tune.validate import validate
+from dostune.tune.validate import validate, validation_details
 from dostune.tune.validation_figure import plot_validation
 
 
@@ -94,27 +93,13 @@ def test_validate_rounds_alternate_the_order_and_pool_every_round(tuned):
     assert rows[1].round_spread("iter") == pytest.approx(0.2) and rows[0].round_spread("step") == pytest.approx(0.2)
     res = tuned.model_copy(update={"validation": rows})
     assert res.round_spread("step", "dostune") == pytest.approx(0.2)
-    table = validation_report.markdown(validation_report.summarize([res]))
-    assert "| rounds apart |" in table and "| 20.0% / 20.0% |" in table
-    # one round taken as the prediction of the median of the others: the first (x1.0) against x1.1 and x1.2, off
-    # by 1.0 / 1.15 - 1; the second (x1.1) is the others' median itself
-    assert rows[1].repeat_error("iter", 0) == pytest.approx(1 - 1.0 / 1.15)
-    assert rows[1].repeat_error("step", 1) == pytest.approx(0.0) and rows[1].repeat_error("iter", 3) is None
-    assert res.repeat_median_error("iter", "dostune", 0) == pytest.approx(1 - 1.0 / 1.15)
-    repeat = validation_report.summarize([res])[0]["repeat"]
-    assert repeat == (False, True) and "| a round as the other's |" in table and "| NO / yes |" in table
+    assert any(line.startswith("the same schedule measured in separate processes differed by dostune 20.0% / 20.0%, "
+                               "zero-offload 20.0% / 20.0%") for line in validation_details(res))
     one_round = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
-    assert one_round.rows[0].round_spread("iter") is None and one_round.rows[0].repeat_error("iter", 0) is None
+    assert one_round.rows[0].round_spread("iter") is None
     single = tuned.model_copy(update={"validation": one_round.rows})
-    assert single.round_spread("iter") is None and single.repeat_median_error("iter", "dostune", 0) is None
-    # across validations: within both bounds for both methods by the prediction, and, where every row ran two rounds
-    # or more, by each round as the others' prediction (the first round misses here, the second does not)
-    rows3 = validation_report.summarize([res, single])
-    assert validation_report.tally(rows3) == {"models": 2, "within": sum(
-        all(r["ok"] for r in rows3 if r["index"] == i) for i in (0, 1)), "repeated": 1,
-        "repeated_within": int(all(r["ok"] for r in rows3 if r["index"] == 0)), "repeat_within": (0, 1)}
-    assert "Of the 1 whose every row ran two rounds or more:" in validation_report.markdown(rows3)
-    assert "two rounds or more" not in validation_report.markdown(validation_report.summarize([single, single]))
+    assert single.round_spread("iter") is None
+    assert not any("separate processes" in line for line in validation_details(single))
     with pytest.raises(DostuneError, match="at least 1 round"):
         validate(tuned, 1, seq=1024, rounds=0, runner=bench, host_available=120 * 2**30)
 
@@ -138,7 +123,7 @@ def test_validate_needs_a_gpu_without_a_runner(tuned):
         validate(tuned, 1, seq=1024)
 
 
-def test_figure_record_and_report(tuned, tmp_path):
+def test_figure_record_and_what_the_host_did(tuned, tmp_path):
     res = tuned.model_copy(deep=True)
     res.validation = validate(res, 2, seq=1024, rounds=1, runner=FakeBench((1.0, 1.05, 1.1)),
                               host_available=120 * 2**30).rows
@@ -151,7 +136,7 @@ def test_figure_record_and_report(tuned, tmp_path):
     again = TuneResult.model_validate_json(path.read_text())
     assert again.validation == res.validation and again.validation_figure == str(png)
     assert again.median_error("step", "zero-offload") == pytest.approx(abs(res.ds_offload.step_s - 1.254) / 1.254)
-    # a tune.json of schema 2 (before the phases were recorded) still reads
+    # a tune.json of schema 2 (before the phases were recorded) still reads, and one of schema 7 (before details)
     old = json.loads(path.read_text())
     old["schema_version"] = 2
     for v in old["validation"]:
@@ -159,106 +144,85 @@ def test_figure_record_and_report(tuned, tmp_path):
                   "predicted_peak_gpu_gib", "measured_steal", "set_aside", "measured_round_iter_s",
                   "measured_round_step_s"):
             del v[k]
-    del old["validation_figure"], old["profile_steal"], old["profile_set_aside"]
+    del old["validation_figure"], old["profile_steal"], old["profile_set_aside"], old["details"]
     assert TuneResult.model_validate(old).median_iter_error is not None
-    # the report across models: every row within the bounds here, one model off by more than 10% below
-    off = res.model_copy(deep=True)
-    off.validation = validate(off, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 2.0, 1.0)),
-                              host_available=120 * 2**30).rows
-    off.model = "other"
-    (tmp_path / "off.json").write_text(off.model_dump_json())
-    out = tmp_path / "report.md"
-    code = validation_report.main([str(path), str(tmp_path / "off.json"), "--output", str(out)])
-    text = out.read_text()
-    rows = validation_report.summarize([again, off])
-    assert [(r["model"], r["method"]) for r in rows] == [("gpt2-1.3b", "dostune"), ("gpt2-1.3b", "zero-offload"),
-                                                          ("other", "dostune"), ("other", "zero-offload")]
-    assert code == (0 if all(r["ok"] for r in rows) else 1)
-    assert not rows[3]["ok"] and "| other | 1.31B | zero-offload | 1 |" in text and "| NO |" in text
-    # each median error beside the same in milliseconds
-    d = rows[0]
-    assert d["step_s"] == pytest.approx(again.median_error_s("step", "dostune"))
-    assert f"| {d['iter']:.1%} ({1e3 * d['iter_s']:.0f} ms) | {d['step']:.1%} ({1e3 * d['step_s']:.0f} ms) |" in text
     # the host's drift: ZeRO-Offload measured (x1.0, x1.05, x1.1 per phase here) over the profile's measurement of it
     zo = res.ds_offload
     drift = (0.13 + 0.25 * 1.05 + 1.254) / zo.iter_s
     assert again.host_drift("step") == pytest.approx(1.254 / zo.step_s)
-    assert again.host_drift() == pytest.approx(drift) and rows[0]["drift"] == rows[1]["drift"] == again.host_drift()
-    assert f"| yes | {drift:.2f}x |" in text
+    assert again.host_drift() == pytest.approx(drift)
     # the host's steal: the profile's, and the mean of the validated runs' (FakeBench: 1% and 2% here, one failed)
     assert [v.measured_steal for v in again.validation] == [0.01, 0.02]
     assert again.profile_steal == 0.05 and again.validation_steal() == pytest.approx(0.015)
-    assert "host steal, profile / runs |" in text
     # and the timed iterations set aside for it: the profile's 2, the runs' 0 and 1 (FakeBench)
     assert [v.set_aside for v in again.validation] == [0, 1] and again.validation_set_aside() == 1
-    assert "set aside, profile / runs |" in text and f"| {drift:.2f}x | 5.0% / 1.5% | 2 / 1 |" in text
-    # results from before the steal was recorded keep the table they had
-    old_rows = validation_report.summarize([TuneResult.model_validate(old)])
-    assert "host steal" not in validation_report.markdown(old_rows)
-    assert "rounds apart" not in text and "rounds apart" not in validation_report.markdown(old_rows)
-    assert "set aside" not in validation_report.markdown(old_rows)
+    details = validation_details(again)
+    assert f"ZeRO-Offload ran {drift:.2f}x the iteration its model profile measured" in details[2]
+    assert details[-1] == ("the hypervisor took 5.0% of the CPU while the model profile timed its iterations (2 timed "
+                           "iterations set aside for it) and 1.5% over the validated runs (1 timed iteration set aside "
+                           "for it): CPU work runs slower under steal, so a difference between the two moves every "
+                           "error; profile and validate when the host is quiet")
     no_zo = again.model_copy(update={"validation": [v for v in again.validation if v.method == "dostune"]})
-    assert no_zo.host_drift() is None
-    assert validation_report.main([str(tmp_path / "missing.json")]) == 2
+    assert no_zo.host_drift() is None and not any("ZeRO-Offload ran" in line for line in validation_details(no_zo))
 
 
-def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int, bench=FakeBench):
-    """`dostune tune --validate N` with FakeBench's made-up measurements where no GPU is: its output on one line,
-    and the tune.json it wrote."""
+def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int, bench=FakeBench, flags=()):
+    """`dostune tune --validate N` with FakeBench's made-up measurements where no GPU is: its output, and the
+    tune.json it wrote."""
     from typer.testing import CliRunner
 
     import dostune.tune.validate as validate_module
     from dostune.cli.app import app
 
-    real = validate_module.validate
     monkeypatch.setattr("dostune.cli.tune.cuda_available", lambda: True)
-    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: real(
+    monkeypatch.setattr(validate_module, "validate", lambda res, n, **kw: validate(
         res, n, **kw, runner=bench((1.0, 1.0, 1.5)), host_available=120 * 2**30))
     r = CliRunner().invoke(app, ["tune", "--trials", "6", "--output-dir", str(tmp_path), "--validate", str(n),
-                                 "--validate-rounds", str(rounds)])
+                                 "--validate-rounds", str(rounds), *flags])
     assert r.exit_code == 0, r.output
-    return " ".join(r.output.split()), TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
+    # the output on one line, without the table's borders
+    flat = " ".join(r.output.translate({ord(c): " " for c in "│┃"}).split())
+    return flat, TuneResult.model_validate_json((tmp_path / "tune.json").read_text())
 
 
-def test_tune_validate_prints_the_errors_and_the_hosts_drift(tmp_path, monkeypatch):
-    """The command's lines after a validation."""
+def test_tune_validate_prints_measured_beside_predicted_and_keeps_the_rest_in_tune_json(tmp_path, monkeypatch):
+    """One table: each validated row's measured iteration, its speedup over ZeRO-Offload's and the prediction's
+    error beside the prediction; what the host did is in tune.json's details, and printed with --verbose."""
     out, res = _tune_validate(tmp_path, monkeypatch, 1, 1)
     assert [v.method for v in res.validation] == ["zero-offload", "dostune"]
-    assert f"zero-offload: median prediction error, iteration {res.median_error('iter', 'zero-offload'):.1%}" in out
-    # beside each relative error, the same in milliseconds
-    zo = next(v for v in res.validation if v.method == "zero-offload")
-    ms = 1e3 * abs(zo.predicted_step_s - zo.measured_step_s)
-    assert res.median_error_s("step", "zero-offload") == pytest.approx(ms / 1e3)
-    assert f"step {res.median_error('step', 'zero-offload'):.1%} ({ms:.0f} ms)" in out
-    assert (f"host drift since the model profile: ZeRO-Offload ran {res.host_drift():.2f}x its profiled iteration "
-            f"(step {res.host_drift('step'):.2f}x); every error above holds a move of that size (the host's, or one "
-            "process's against another's)") in out
+    zo, first = res.validation
+    assert "measured s measured speedup error" in out
+    assert (f"dostune #1 (config) {first.sub_group_size:.3g}" in out
+            and f"{first.measured_iter_s:.3f} {zo.measured_iter_s / first.measured_iter_s:.2f}x "
+                f"{first.predicted_iter_s / first.measured_iter_s - 1:+.1%}" in out)
+    assert f"{zo.measured_iter_s:.3f} 1.00x {zo.predicted_iter_s / zo.measured_iter_s - 1:+.1%}" in out
+    assert "dostune #2 " in out and "- - -" in out  # searched, not validated
+    # the rest: kept, not printed
+    assert res.details[-len(validation_details(res)):] == validation_details(res)
+    assert "detail:" not in out and "ZeRO-Offload ran" not in out and "--verbose prints" in out
     # the shipped model profile predates the steal; FakeBench's runs say 1% and 2%
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
-    assert ("host steal (CPU time the hypervisor took): unknown while the model profile timed its iterations, 1.5% "
-            "over the validated runs (1 iteration set aside)") in out
-    assert "rounds apart" not in out and "one round as the prediction" not in out  # one round: nothing to compare
-    assert "adaptive_swing moved" not in out  # FakeBench's schedules record no swing
+    assert not any("separate processes" in line for line in res.details)  # one round: nothing to compare
+    assert not any("adaptive_swing moved" in line for line in res.details)  # FakeBench's schedules record no swing
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
+    out, res = _tune_validate(tmp_path / "v", monkeypatch, 1, 1, flags=["--verbose"])
+    for line in validation_details(res):
+        assert f"detail: {line}" in out
+    assert (f"ZeRO-Offload ran {res.host_drift():.2f}x the iteration its model profile measured (its step "
+            f"{res.host_drift('step'):.2f}x)") in out
+    assert ("the hypervisor took an unknown share of the CPU while the model profile timed its iterations and 1.5% "
+            "over the validated runs (1 timed iteration set aside for it)") in out
+    assert "measured vs predicted" in out and "predicted phase breakdown" in out
 
 
-def test_tune_validate_prints_how_far_its_rounds_were_apart(tmp_path, monkeypatch):
-    """Two rounds, each method in a fresh process twice: the command says how far the same schedule moved between
-    them (FakeBench's host runs 10% slower on a method's second call; its #2 runs out of memory in its first round
-    and is left out)."""
-    out, res = _tune_validate(tmp_path, monkeypatch, 2, 2)
+def test_tune_validate_says_how_far_its_rounds_were_apart(tmp_path, monkeypatch):
+    """Two rounds, each method in a fresh process twice: how far the same schedule moved between them (FakeBench's
+    host runs 10% slower on a method's second call; its #2 runs out of memory in its first round and is left out)."""
+    out, res = _tune_validate(tmp_path, monkeypatch, 2, 2, flags=["--verbose"])
     assert [len(v.measured_round_iter_s) for v in res.validation] == [2, 2]
-    assert ("rounds apart (median over rows of how much longer the slowest round took than the fastest, "
-            "iteration / step): dostune 10.0% / 10.0%, zero-offload 10.0% / 10.0%; the same schedule measured in "
-            "separate processes") in out
-    # and each round as the prediction of the others, held to the model's bounds, as the report has it
-    from dostune.tune.validation_report import summarize
-
-    verdicts = {r["method"]: " / ".join("within" if x else "not within" for x in r["repeat"])
-                for r in summarize([res])}
-    assert ("one round as the prediction of the others, held to the model's bounds (the first round / the second): "
-            f"dostune {verdicts['dostune']}, zero-offload {verdicts['zero-offload']}; where a second process misses "
-            "them, this host does not repeat its own measurement that closely") in out
+    assert ("the same schedule measured in separate processes differed by dostune 10.0% / 10.0%, zero-offload "
+            "10.0% / 10.0% (iteration / step, slowest round over fastest, median over rows): errors of that size are "
+            "this host's own variation; more --validate-rounds average more of it out") in out
 
 
 class Swings(FakeBench):
@@ -273,28 +237,19 @@ class Swings(FakeBench):
         return got
 
 
-def test_validate_records_the_split_the_swing_ran_and_the_command_says_so(tuned, tmp_path, monkeypatch):
+def test_validate_records_the_split_the_swing_ran_and_names_the_rows_that_moved(tuned, tmp_path, monkeypatch):
     """The model predicts the tuned split; adaptive_swing may run another. Each row keeps the split of every timed
-    iteration, and the command names the rows that moved, since their measured step is another split's."""
+    iteration, and tune.json's details name the rows that moved, since their measured step is another split's."""
     rows = validate(tuned, 3, seq=1024, rounds=2, runner=Swings((1.0, 1.0, 1.0)), host_available=120 * 2**30).rows
     zo, first, third = rows  # (FakeBench's #2 runs out of memory)
     assert zo.measured_swing is None and zo.swung() is None
     assert first.measured_swing == [3, 3, 4, 3, 3, 4] and first.swung() == (3, 4)
     assert third.measured_swing == [0] * 6 and third.swung() is None  # recorded, but nothing moved
-    out, res = _tune_validate(tmp_path, monkeypatch, 3, 1, bench=Swings)
+    _, res = _tune_validate(tmp_path, monkeypatch, 3, 1, bench=Swings)
     assert [(v.label, v.swung()) for v in res.validation] == [("zero-offload", None), ("dostune #1", (3, 4)),
                                                                ("dostune #3", None)]
-    assert ("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring (median / most over the timed "
-            "iterations): dostune #1 3 / 4; the predictions are of the tuned split") in out
-    # the report across models: in how many of a method's rows the swing moved; tables without it keep their form
-    table = validation_report.markdown(validation_report.summarize([tuned.model_copy(update={"validation": rows})]))
-    assert "| swing moved |" in table and "Swing moved: of the rows that recorded" in table
-    zo_cells = table.splitlines()[-1].split("|")
-    assert table.count("| 1 of 2 |") == 1 and zo_cells[-3].strip() == "-"  # ZeRO-Offload: no swing (the last column
-    # is one round as the other's prediction)
-    plain = validate(tuned, 1, seq=1024, rounds=1, runner=FakeBench((1.0, 1.0, 1.0)), host_available=120 * 2**30)
-    assert "swing" not in validation_report.markdown(validation_report.summarize(
-        [tuned.model_copy(update={"validation": plain.rows})]))
+    assert ("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring dostune #1 (3 typically, 4 at "
+            "most): those rows ran another split than the one predicted") in " ".join(res.details)
 
 
 class StopsAt(FakeBench):
@@ -359,32 +314,3 @@ def test_tune_validate_stopped_by_sigterm_writes_the_config_and_what_it_measured
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
     out = " ".join(r.output.split())
     assert "stopped during the validation (SIGTERM): the config and tune.json are written" in out
-
-
-class Traced(FakeBench):
-    """FakeBench whose schedules record a traced step: the CPU lane on two subgroups, one taken up during backward
-    (before the step's start) and one in the step."""
-
-    def __call__(self, name, spec, opts, offload, progress):
-        got = super().__call__(name, spec, opts, offload, progress)
-        if name == "dostune" and got.ran:
-            got = got.model_copy(update={"timeline": [Span(lane="cpu", subgroup=0, start=-0.02, end=-0.01),
-                                                      Span(lane="cpu", subgroup=1, start=0.0, end=0.03)]})
-        return got
-
-
-def test_tune_validate_puts_the_cpu_lane_beside_each_rows_traced_step(tmp_path, monkeypatch):
-    """The command's line on the CPU lane is tune/lane_check.py's, from the search's own predictions: the same as
-    `python -m dostune.tune.lane_check` reads from the files it wrote."""
-    from dostune.tune.lane_check import check, summary
-
-    out, res = _tune_validate(tmp_path, monkeypatch, 1, 1, bench=Traced)
-    rows = check(tmp_path / "tune.json")
-    assert [r.label for r in rows] == ["dostune #1"] and rows[0].backward_rate > 0 and rows[0].step_rate > 0
-    assert " ".join(summary(rows).split()) in out
-    assert "CPU lane against each row's traced step" in out
-
-
-def test_tune_validate_says_nothing_of_the_lane_without_a_traced_step(tmp_path, monkeypatch):
-    out, _ = _tune_validate(tmp_path, monkeypatch, 1, 1)
-    assert "CPU lane against each row's traced step" not in out

@@ -58,8 +58,8 @@ class MethodResult(Record):
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
     round_step_s: list[float] = Field(default_factory=list)  # v6. median step time of each round
     # v7. How many of the GPU lane's streamed subgroups the CPU lane had (adaptive_swing) in each timed iteration, in
-    # the order of ``samples``: which split a process settled into (docs/experiments.md, section 22). Empty for a
-    # method without a swing.
+    # the order of ``samples``: which split a process settled into, which may differ from one process to the next.
+    # Empty for a method without a swing.
     swing: list[int] = Field(default_factory=list)
     # v4. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:
     # the rounds' mean, and each round's (None, empty where /proc/stat has no steal, or in older records)

@@ -29,22 +29,64 @@ def _during_backward(s: dict) -> str:
     return "CPU" if s.get("overlap_backward") else "no"
 
 
+def render_summary(res: TuneResult) -> Table:
+    """The table `dostune tune` prints: the best schedules and ZeRO-Offload as predicted, and, where --validate ran
+    them, as measured."""
+    w = res.world
+    world = (f", one rank of {w['nodes']} node(s) x {w['gpus_per_node']} GPU(s)"
+             if w["nodes"] * w["gpus_per_node"] > 1 else "")
+    t = Table(title=f"{res.model} (micro-batch {res.micro_batch}, {res.precision}) on {Path(res.node_profile).stem}"
+                    f"{world}: the best of {res.trials} trials, predicted")
+    measured = {v.label: v for v in res.validation}
+    cols = ["schedule", "sub_group_size", "GPU subgroups", "overlaps bwd", "peak GiB", "step s", "iteration s",
+            "speedup"]
+    if measured:
+        cols += ["measured s", "measured speedup", "error"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    zo, zo_row = res.ds_offload, next((v for v in res.validation if v.method == "zero-offload"), None)
+
+    def speedup(zo_s, s) -> str:
+        return f"{zo_s / s:.2f}x" if zo_s and s else "-"
+
+    def validated(v, zo_measured) -> list[str]:
+        if v is None:
+            return ["-", "-", "-"]
+        error = v.predicted_iter_s / v.measured_iter_s - 1 if v.predicted_iter_s else None
+        return [_f(v.measured_iter_s), speedup(zo_measured, v.measured_iter_s), _f(error, "{:+.1%}")]
+
+    zo_measured = zo_row.measured_iter_s if zo_row is not None else None
+    for k, r in enumerate(res.top, 1):
+        s, p = r.schedule, r.predicted
+        resident = s.get("resident_subgroups", 0)
+        row = [f"dostune #{k}" + (" (config)" if k == 1 else ""), f"{r.sub_group_size:.3g}",
+               f"{gpu_count(r.subgroups, s['gpu_fraction'])}/{r.subgroups}" + (f", {resident} resident" if resident
+                                                                                 else ""),
+               "yes" if s.get("overlap_backward") else "no", _f(p.peak_gpu_gib, "{:.1f}"), _f(p.step_s), _f(p.iter_s),
+               speedup(zo.iter_s if zo else None, p.iter_s)]
+        t.add_row(*row, *(validated(measured.get(f"dostune #{k}"), zo_measured) if measured else []))
+    if zo is not None:
+        row = ["ZeRO-Offload", f"{res.ds_sub_group_size:.3g}", "-", "no", _f(zo.peak_gpu_gib, "{:.1f}"),
+               _f(zo.step_s), _f(zo.iter_s), "1.00x" if zo.iter_s else "-"]
+        t.add_row(*row, *(validated(zo_row, zo_measured) if measured else []))
+    return t
+
+
 def render_trials(res: TuneResult) -> Table:
     t = Table(title=f"best schedules for {res.model} (micro-batch {res.micro_batch}, {res.precision}) on "
                     f"{Path(res.node_profile).stem}: {res.trials} trials")
-    for col in ("#", "sub_group_size", "GPU subgroups", "buffers", "threads", "upload", "grads on GPU",
+    for col in ("schedule", "trial", "sub_group_size", "GPU subgroups", "buffers", "threads", "upload", "grads on GPU",
                 "during bwd", "step s", "iter s", "G elem/s", "extra GiB", "peak GiB"):
         t.add_column(col, justify="right")
-    for r in res.top:
+    for k, r in enumerate(res.top, 1):
         s, p = r.schedule, r.predicted
         gpu = gpu_count(r.subgroups, s["gpu_fraction"])
         res_k = s.get("resident_subgroups", 0)
-        t.add_row(str(r.number), f"{r.sub_group_size:.3g}", f"{gpu}/{r.subgroups}" + (f" ({res_k} resident)" if res_k else ""),
-                  str(s["staging_buffers"]),
+        t.add_row(f"#{k}", str(r.number), f"{r.sub_group_size:.3g}",
+                  f"{gpu}/{r.subgroups}" + (f" ({res_k} resident)" if res_k else ""), str(s["staging_buffers"]),
                   str(s.get("cpu_threads", "-")), s["upload"], "yes" if s["grads_on_gpu"] else "no",
-                  _during_backward(s), _f(p.step_s),
-                  _f(p.iter_s), _f(p.update_gelem_s, "{:.2f}"), _f(p.extra_step_gib, "{:.2f}"),
-                  _f(p.peak_gpu_gib, "{:.1f}"))
+                  _during_backward(s), _f(p.step_s), _f(p.iter_s), _f(p.update_gelem_s, "{:.2f}"),
+                  _f(p.extra_step_gib, "{:.2f}"), _f(p.peak_gpu_gib, "{:.1f}"))
     return t
 
 
@@ -142,6 +184,9 @@ def tune(
                                                   "checkpoints every transformer block (DeepSpeed's "
                                                   "activation_checkpointing section); profile the model with it too."),
     json_out: bool = flag(False, "--json", help="Print the tuning result as JSON on stdout."),
+    verbose: bool = flag(False, "--verbose", "-v", help="Also print every detail tune.json keeps: the profiles read "
+                         "and what stood in for what they lack, every trial's schedule, the predicted phases, and "
+                         "with --validate each phase measured and what the host did while it ran."),
 ):
     """Search the interleaved optimizer's schedule with the fitted performance model and emit a DeepSpeed config.
 
@@ -193,7 +238,7 @@ def tune(
                         "subgroups on the GPU")
     stopped = None
     if validate:
-        from ..tune.validate import validate as run_validation
+        from ..tune.validate import validate as run_validation, validation_details
 
         with RichProgress() as progress, quiet_stdout(), stop_signals() as got:
             run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters, rounds=validate_rounds,
@@ -207,84 +252,28 @@ def tune(
             from ..tune.validation_figure import plot_validation
 
             res.validation_figure = str(plot_validation(res, out / "validation.png"))
+            res.details += validation_details(res)
         save_record(res, out / "tune.json")
     for note in res.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    err_console.print(render_trials(res))
-    err_console.print(render_breakdown(res))
-    if res.validation:
-        err_console.print(render_validation(res))
-        for method in ("dostune", "zero-offload"):
-            it, st = res.median_error("iter", method), res.median_error("step", method)
-            if it is not None:
-                it_ms, st_ms = (1e3 * res.median_error_s(phase, method) for phase in ("iter", "step"))
-                err_console.print(f"{method}: median prediction error, iteration [bold]{it:.1%}[/] ({it_ms:.0f} ms), "
-                                  f"step [bold]{st:.1%}[/] ({st_ms:.0f} ms); figure {res.validation_figure}",
-                                  highlight=False)
-        drift, step_drift = res.host_drift("iter"), res.host_drift("step")
-        if drift is not None:
-            # ZeRO-Offload's prediction is the model profile's measurement of it: its ratio is the host (and how one
-            # process's step differs from another's, docs/experiments.md sections 36 and 60), not the model
-            step = f" (step {step_drift:.2f}x)" if step_drift is not None else ""
-            err_console.print(f"host drift since the model profile: ZeRO-Offload ran {drift:.2f}x its profiled "
-                              f"iteration{step}; every error above holds a move of that size (the host's, or one "
-                              "process's against another's)", highlight=False)
-        apart = [(m, res.round_spread("iter", m), res.round_spread("step", m)) for m in ("dostune", "zero-offload")]
-        spreads = [f"{m} {it:.1%} / {st:.1%}" for m, it, st in apart if it is not None and st is not None]
-        if spreads:
-            # each round is a fresh process running the same schedule: how far they disagree is the measurement's own
-            # spread, which no prediction can beat (docs/experiments.md, section 20)
-            err_console.print("rounds apart (median over rows of how much longer the slowest round took than the "
-                              "fastest, iteration / step): " + ", ".join(spreads)
-                              + "; the same schedule measured in separate processes", highlight=False)
-        from ..tune.validation_report import summarize
-
-        # a round held to the model's bounds as the prediction of the others: where a second process of the same
-        # schedule misses them, no prediction read from a profile can be expected to meet them on this host
-        # (docs/experiments.md, section 80)
-        repeats = [f"{r['method']} " + " / ".join("within" if x else "not within" for x in r["repeat"])
-                   for r in summarize([res]) if None not in r["repeat"]]
-        if repeats:
-            err_console.print("one round as the prediction of the others, held to the model's bounds (the first round "
-                              "/ the second): " + ", ".join(repeats) + "; where a second process misses them, this "
-                              "host does not repeat its own measurement that closely", highlight=False)
-        swung = [(v.label, *moved) for v in res.validation if (moved := v.swung()) is not None]
-        if swung:
-            # adaptive_swing moves GPU-lane subgroups to the CPU lane when the lanes' measured times disagree with the
-            # tuned split; the model predicts that split, so the step of a row that moved is another split's
-            err_console.print("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring (median / most "
-                              "over the timed iterations): "
-                              + ", ".join(f"{label} {med:g} / {most}" for label, med, most in swung)
-                              + "; the predictions are of the tuned split", highlight=False)
-        from ..tune.lane_check import compare, summary
-
-        # where a step's miss lies: the CPU lane's rates and the lanes' end against each row's traced step
-        lanes = summary(compare(res, run.bench, space))
-        if lanes:
-            err_console.print(lanes, highlight=False)
-        prof_steal, val_steal = res.profile_steal, res.validation_steal()
-        if prof_steal is not None or val_steal is not None:
-            # on a virtual machine, CPU work slows by more than the share the hypervisor takes: a profile measured
-            # under steal and runs without (or the other way round) explain a drift
-            def aside(n):
-                return "" if n is None else f" ({n} iteration{'s' if n != 1 else ''} set aside)"
-
-            err_console.print(f"host steal (CPU time the hypervisor took): {_f(prof_steal, '{:.1%}', 'unknown')} "
-                              f"while the model profile timed its iterations{aside(res.profile_set_aside)}, "
-                              f"{_f(val_steal, '{:.1%}', 'unknown')} over the validated runs"
-                              f"{aside(res.validation_set_aside())}", highlight=False)
-    w = res.world
-    if w["nodes"] * w["gpus_per_node"] > 1 or res.host_budget_gib is not None:
+    if verbose:
+        for line in res.details:
+            err_console.print(f"[dim]detail:[/] {line}", highlight=False, soft_wrap=True)
+        err_console.print(render_trials(res))
+        err_console.print(render_breakdown(res))
+        if res.validation:
+            err_console.print(render_validation(res))
+        w = res.world
         ranks = w["gpus_per_node"]
         err_console.print(f"tuned for {w['nodes']} node(s) x {ranks} GPU(s): times and memory are one rank's; the "
                           f"node's {ranks} rank(s) pin {best.predicted.pinned_host_gib * ranks:.1f} GiB of host "
                           f"memory together" + (f" (budget {res.host_budget_gib:.1f} GiB)"
                                                 if res.host_budget_gib is not None else ""), highlight=False)
-    d = res.ds_offload
-    if d is not None and d.iter_s and best.predicted.iter_s:
-        err_console.print(f"predicted speedup over ZeRO-Offload: {d.iter_s / best.predicted.iter_s:.2f}x")
-    err_console.print(f"DeepSpeed config written to [bold]{cfg_path}[/]; report {out / 'tune.json'}; "
-                      f"timeline {png}")
+    err_console.print(render_summary(res))
+    figure = f"; measured against predicted: {res.validation_figure}" if res.validation_figure else ""
+    err_console.print(f"DeepSpeed config (schedule #1): [bold]{cfg_path}[/]; record: {out / 'tune.json'}; predicted "
+                      f"step: {png}{figure}" + ("" if verbose else "; --verbose prints every trial, phase and detail"),
+                      highlight=False)
     if json_out:
         print_json(res)
     if stopped is not None:

@@ -3,8 +3,8 @@
 ran them; where in DeepSpeed's step overhead the lanes may start; how fast the CPU lane runs during backward and how
 much it slows backward; backward's compute without the offload's gradient copies.
 
-A profile older than schema 3 lacks some of these measurements: the fallback below stands in for each, and ``notes``
-say which (re-profiling with this dostune measures them).
+A profile older than schema 3 lacks some of these measurements: the fallback below stands in for each, ``notes`` say
+which, and ``lacking`` names the profiles that lacked any (re-profiling with this dostune measures them).
 """
 from __future__ import annotations
 
@@ -17,19 +17,18 @@ from .inputs import Cost, ModelInputs, NodeInputs
 from .zero_offload import ds_offload_step_lanes
 
 # Fallbacks for profiles that did not measure a coefficient, each the value the model used before it was measured
-# and where that value came from (none of them from the benches the model is checked against,
+# and what it was measured from (none of them from the benches the model is checked against,
 # tests/test_model_check.py):
 # - the share of DeepSpeed's step overhead before the lanes can compute, and of it the parameter release: 86 and 57
-#   of 98 ms in a torch.profiler trace of gpt2-1.3b on the H100 (results/h100/resident-gpt2-1.3b/trace-summary.txt);
+#   of 98 ms in a torch.profiler trace of gpt2-1.3b's step on an H100;
 FALLBACK_PROLOGUE_SHARE = 0.85
 FALLBACK_RELEASE_SHARE = 0.58
 # - how many times slower a CPU-lane update runs during backward than unscale + CPU Adam + CPU conversion at the
 #   node profile's rates: medians of 30.3-33.0 ms per 100M-element subgroup of gpt2-1.3b during backward against
-#   30.8 ms from the node profile (results/h100/halfgrads-gpt2-1.3b/tuned-clip0-*.json, the traces it was fitted to);
+#   30.8 ms from the node profile, in traced H100 steps of gpt2-1.3b;
 FALLBACK_LANE_BACKWARD_SLOWDOWN = 1.0
 # - how many times slower backward runs while the CPU lane works beside it: gpt2-1.3b's backward 265.3 ms with
-#   overlap_backward, 178.4 ms without, one engine after the other in one process
-#   (results/h100/backward-interference-gpt2-1.3b/hooks-overlap-on-off.txt).
+#   overlap_backward, 178.4 ms without, one engine after the other in one process on an H100.
 FALLBACK_BACKWARD_SLOWDOWN = 265.3 / 178.4
 
 
@@ -60,12 +59,14 @@ class Coefficients:
     shape: StepShape
     backward: Optional[BackwardInputs]  # None without a model profile
     notes: tuple[str, ...] = field(default=())
+    lacking: tuple[str, ...] = field(default=())  # the profiles that lacked a measurement the model stood in for
 
     @classmethod
     def of(cls, node: NodeInputs, m: ModelInputs, ds_sizes: Sequence[int]) -> "Coefficients":
         """From one rank's node inputs and the model profile's; ``ds_sizes``: ZeRO-Offload's subgroups at the
         profiled sub_group_size."""
         notes, missing = list(node.notes), []
+        lacking = [f"node profile '{node.node}'"] if node.notes else []
         node = in_situ(node, m, notes, missing)
         overhead = ds_step_overhead(m, ds_sizes, node)
         shape = step_shape(node, m, missing)
@@ -73,9 +74,11 @@ class Coefficients:
         if missing:
             notes.append(f"the model profile of {m.model} (schema {m.profile_schema}) did not measure "
                          + ", ".join(what for what, _ in missing) + "; the model takes "
-                         + "; ".join(instead for _, instead in missing) + " (docs/performance-model.md, Inputs): "
-                         "re-profile the model with this dostune to measure them")
-        return cls(node=node, overhead_s=overhead, shape=shape, backward=backward, notes=tuple(notes))
+                         + "; ".join(instead for _, instead in missing) + ": re-profile the model with this dostune "
+                         "to measure them")
+            lacking.append(f"model profile of {m.model}")
+        return cls(node=node, overhead_s=overhead, shape=shape, backward=backward, notes=tuple(notes),
+                   lacking=tuple(lacking))
 
 
 def _ratio(series, reference: Cost) -> float:
@@ -127,7 +130,7 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
         # subgroup in a thread that never waits; in training the lane updates each subgroup once, as its gradients
         # arrive. Over 30 traced H100 rows of 12 held-out models the lane ran in backward 1.07-1.90x slower than the
         # probe's rate beside it (median 1.36x), at or below its alone rate in 26, and the probe read beside faster
-        # than alone in 11 of the 12 profiles (docs/experiments.md, section 14).
+        # than alone in 11 of the 12 profiles.
         lane = m.lane_beside_s_per_elem / composed
         if m.lane_alone_s_per_elem:
             lane = max(lane, alone)
@@ -137,8 +140,8 @@ def step_shape(node: NodeInputs, m: ModelInputs, missing: list[tuple[str, str]])
     contention = None
     if m.lane_step_s_per_elem is not None and m.lane_step_threads is not None:
         # The step's lane as the step-lane probe read it: from memory, at the step's threads, and slowed beside copies
-        # by its own measure instead of DeepSpeed's CPU Adam's (docs/experiments.md, section 33). Backward keeps the
-        # backward probes' readings above.
+        # by its own measure instead of DeepSpeed's CPU Adam's, which slows differently beside copies. Backward keeps
+        # the backward probes' readings above.
         alone = m.lane_step_s_per_elem / node.cpu_lane_per_element(m.lane_step_threads)
         contention = (max(1.0, m.lane_step_copies_slowdown), m.lane_step_copies_gbps)
     elif m.profile_schema is not None and m.profile_schema < 10:

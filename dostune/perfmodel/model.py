@@ -262,7 +262,7 @@ def gradient_copy_spans(grad_bytes: Sequence[int], ready_fraction: Sequence[floa
     """Backward's gradient copies to the host as traffic spans before 0: a subgroup's bytes stream between the moment
     the subgroup finalised before it did (backward's start for the first) and its own, never faster than the node's
     device-to-host rate. On the H100 host dostune's CPU-lane kernel ran 1.37x slower beside a device-to-host stream
-    than alone (docs/experiments.md), and backward's copies are that stream."""
+    than alone, and backward's copies are that stream."""
     order = sorted(range(len(grad_bytes)), key=lambda j: ready_fraction[j])
     spans, prev = [], 0.0
     for j in order:

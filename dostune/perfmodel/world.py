@@ -200,24 +200,27 @@ def _capped(c: Cost, rate: float) -> Cost:
     return Cost(overhead_s=c.overhead_s, rate=min(c.rate, rate))
 
 
-def rank_inputs(profile: NodeProfile, world: World) -> tuple[NodeInputs, list[str]]:
+def rank_inputs(profile: NodeProfile, world: World,
+                details: Optional[list[str]] = None) -> tuple[NodeInputs, list[str]]:
     """The node profile's inputs for one rank of ``world`` (see the module's docstring), and notes that say which
-    figures were measured together and which were derived."""
+    figures were derived because the profile did not measure them; ``details``, if given, gets a line for each figure
+    that was measured with the node's GPUs or processes together."""
     node = NodeInputs.from_profile(profile)
     n = world.gpus_per_node
     if n == 1:
         return node, []
-    notes = []
+    notes, details = [], details if details is not None else []
     cores = max(1, profile.host.logical_cores // n)
     # CPU Adam: this rank's threads, at most its share of what the node's memory feeds
     concurrent = profile.cpu_adam.concurrent.get(n)
     if concurrent is not None:
         share = concurrent.fit.rate_per_s
-        notes.append(f"CPU Adam: {n} processes at once measured at {share / 1e9:.2f} G elem/s each")
+        details.append(f"CPU Adam: {n} processes at once measured at {share / 1e9:.2f} G elem/s each")
     else:
         share = node.cpu_adam[node.best_threads].rate / n
-        notes.append(f"CPU Adam: the profile did not measure {n} processes at once; each rank is given 1/{n} of "
-                     f"the node's best rate ({share / 1e9:.2f} G elem/s), a derivation (docs/multi-gpu.md)")
+        notes.append(f"CPU Adam: the node profile did not measure {n} processes at once; each rank is given 1/{n} of "
+                     f"the node's best rate ({share / 1e9:.2f} G elem/s), a derivation: profile the node with this "
+                     "dostune to measure it")
     threads = {t: _capped(c, share) for t, c in node.cpu_adam.items() if t <= cores} or \
         {min(node.cpu_adam): _capped(node.cpu_adam[min(node.cpu_adam)], share)}
     best = max(threads, key=lambda t: threads[t].rate)
@@ -230,17 +233,18 @@ def rank_inputs(profile: NodeProfile, world: World) -> tuple[NodeInputs, list[st
         h2d, d2h = Cost.of(c.h2d.fit), Cost.of(c.d2h.fit)
         h2d_duplex, d2h_duplex = Cost.of(c.duplex_h2d.fit), Cost.of(c.duplex_d2h.fit)
         pageable_share = max(1.0, node.h2d.rate / h2d.rate)  # pageable copies slowed as much as pinned ones
-        notes.append(f"PCIe: copy rates measured with {n} GPUs copying at once (the slowest GPU's)")
+        details.append(f"PCIe: copy rates measured with {n} GPUs copying at once (the slowest GPU's)")
     else:
         link = shared_link_group(profile, n)
         h2d, d2h = _scaled(node.h2d, link), _scaled(node.d2h, link)
         h2d_duplex, d2h_duplex = _scaled(node.h2d_duplex, link), _scaled(node.d2h_duplex, link)
         pageable_share = link
         if mg is None:
-            notes.append(f"PCIe: the profile measured one GPU; each of the {n} GPUs is taken to have a link of its "
-                         "own (profile the node with all its GPUs to know)")
+            notes.append(f"PCIe: the node profile measured one GPU; each of the {n} GPUs is taken to have a link of "
+                         f"its own: profile the node with {n} GPUs visible to measure them copying together")
         elif link > 1:
-            notes.append(f"PCIe: {link} of the {n} GPUs share a PCIe switch: each gets 1/{link} of its link's rates")
+            notes.append(f"PCIe: {link} of the {n} GPUs share a PCIe switch: each gets 1/{link} of its link's rates, "
+                         f"a derivation: profile the node with {n} GPUs visible to measure them copying together")
     return node.model_copy(update=dict(
         cpu_adam=threads, best_threads=best,
         default_threads=min(threads, key=lambda t: abs(t - cores)),

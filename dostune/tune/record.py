@@ -9,9 +9,9 @@ from ..records import Record
 
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
 # figure; 4: the host's steal in the model profile and in each validated run; 5: the timed iterations each set aside
-# for steal; 6: each validated row's per-round medians; 7: the swing in each of a validated row's timed iterations
-# (every new field optional: older files still parse)
-TUNE_SCHEMA_VERSION = 7
+# for steal; 6: each validated row's per-round medians; 7: the swing in each of a validated row's timed iterations;
+# 8: details, the notes `dostune tune` prints only with --verbose (every new field optional: older files still parse)
+TUNE_SCHEMA_VERSION = 8
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -126,16 +126,6 @@ class Validation(Record):
             return None
         return max(xs) / min(xs) - 1.0
 
-    def repeat_error(self, phase: str, k: int) -> Optional[float]:
-        """Round ``k`` (iter or step) taken as the prediction of the median of this row's other rounds (None with
-        fewer than two rounds, or no round ``k``): how closely one process of the schedule predicts another on the
-        same host minutes later. A model reads its inputs from one profile process, so this is about as close as it
-        can be held (docs/experiments.md, sections 63 and 80)."""
-        xs = getattr(self, f"measured_round_{phase}_s")
-        if not xs or len(xs) < 2 or k >= len(xs):
-            return None
-        return relative_error(xs[k], median(xs[:k] + xs[k + 1:]))
-
     @property
     def iter_error(self) -> Optional[float]:
         return self.error("iter")
@@ -178,7 +168,10 @@ class TuneResult(Record):
     profile_steal: Optional[float] = None
     # v5. The model profile's timed iterations set aside for steal (ModelProfile.set_aside)
     profile_set_aside: Optional[int] = None
-    notes: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)  # what the user should know, each with what to do: always printed
+    # v8. What the search and the validation found beyond the notes (which profile was read, the rates it stood in,
+    # the validation's host diagnostics): printed with --verbose
+    details: list[str] = Field(default_factory=list)
 
     @property
     def median_iter_error(self) -> Optional[float]:
@@ -191,7 +184,7 @@ class TuneResult(Record):
     def median_error_s(self, phase: str, method: Optional[str] = None) -> Optional[float]:
         """The median absolute error of ``phase`` in seconds over the validated rows (of one ``method``, or all): an
         overlapped schedule's step is what its CPU lane leaves after backward, often a few tens of ms, and there a
-        relative error is large on a few ms (docs/experiments.md, section 53)."""
+        relative error is large on a few ms."""
         return median(v.error_s(phase) for v in self.validation if method is None or v.method == method)
 
     def host_drift(self, phase: str = "iter") -> Optional[float]:
@@ -207,15 +200,8 @@ class TuneResult(Record):
     def round_spread(self, phase: str = "iter", method: Optional[str] = None) -> Optional[float]:
         """The median over the validated rows (of one ``method``, or all) of how far their rounds, each a fresh
         process running the same schedule, were apart in ``phase`` (Validation.round_spread). A prediction cannot be
-        held closer than the measurement agrees with itself (docs/experiments.md, section 20)."""
+        held closer than the measurement agrees with itself."""
         return median(v.round_spread(phase) for v in self.validation if method is None or v.method == method)
-
-    def repeat_median_error(self, phase: str, method: str, k: int) -> Optional[float]:
-        """The median over ``method``'s rows of their round ``k`` taken as the prediction of their other rounds
-        (Validation.repeat_error); None unless every such row ran that round and another, so that it is the same rows
-        the model is held on."""
-        errors = [v.repeat_error(phase, k) for v in self.validation if v.method == method]
-        return None if not errors or None in errors else median(errors)
 
     def validation_steal(self) -> Optional[float]:
         """The mean share of CPU time the hypervisor took over the validated runs (None where none was recorded):

@@ -62,7 +62,8 @@ class TuneOptions:
     nodes: Optional[int] = None  # default 1, or the hostfile's hosts
     hostfile: Optional[Path] = None  # DeepSpeed's MPI-style hostfile: the world it describes
     host_memory_budget: str = "auto"  # pinned host memory of one node's ranks together: "auto" (the profile's) or GiB
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the user should know and do (tune.json's notes)
+    details: list[str] = field(default_factory=list)  # the rest of what the search found (tune.json's details)
     _world: Optional[World] = field(default=None, repr=False)
 
     def world(self) -> World:
@@ -77,17 +78,19 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
         node_path = Path(opts.profile)
     elif not cuda_available():
         node_path = shipped_profile()
-        opts.notes.append(f"no --profile given and this machine has no GPU: tuning from the shipped H100 profile "
-                          f"{node_path} (the schedule splits the optimizer step between a GPU and its host, so it "
-                          "needs GPU and PCIe measurements that a profile of this machine cannot have)")
+        # the schedule splits the optimizer step between a GPU and its host: a profile of this machine has neither
+        opts.notes.append("no --profile given and this machine has no GPU: tuned from the shipped H100 profile; to "
+                          "tune for your GPU machine, run `dostune profile` there and pass --profile")
     else:
         raise DostuneError("no --profile given", hint="measure this node first: dostune profile --output node.json, "
                            "then dostune tune --profile node.json")
+    opts.details.append(f"node profile: {node_path}")
     node = load_node_profile(node_path)
     world = opts.world()
     model_path = Path(opts.model_profile) if opts.model_profile else None
     if model_path is None:
-        model_path = find_model_profile(node, node_path, opts.model, opts.micro_batch, opts.seq, world, opts.notes)
+        model_path = find_model_profile(node, node_path, opts.model, opts.micro_batch, opts.seq, world, opts.notes,
+                                        opts.details)
     model = load_model_profile(model_path) if model_path is not None else None
     if model is not None and model.model != opts.model:
         raise ProfileError(f"{model_path} profiles {model.model}, not {opts.model}")
@@ -95,12 +98,13 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
         check_model_profile_world(model, model_path, world, node.name)
     check_node_gpus(node, node_path, world)
     if model is not None and model.node != node.name:
-        opts.notes.append(f"the model profile was measured on '{model.node}', the node profile is '{node.name}'")
+        opts.notes.append(f"the model profile was measured on '{model.node}', the node profile on '{node.name}': "
+                          "the predictions mix two machines; profile the model on the node you tune for")
     if model is None:
         opts.notes.append("no model profile: forward/backward times and the step's free memory are unknown, so the "
                           "search minimises the optimizer step alone (run `dostune profile --model` for more)")
     # a profile measured while the hypervisor took CPU time is a slower host's: the profile said so when it was taken,
-    # and the tune says it again, beside the predictions it makes from it (docs/performance-model.md, eighteenth set)
+    # and the tune says it again, beside the predictions it makes from it
     notes = [steal_note(node.steal, f"{node_path.name} was measured")]
     if model is not None:
         notes += [steal_note(model.steal, f"{model_path.name} timed ZeRO-Offload's iterations"), wide_pass_note(model)]
@@ -109,22 +113,21 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
 
 
 # A pass whose probe rounds spread wider than this (interquartile range over the median) is named: the model predicts
-# it at the median, and the iteration's prediction is held to 10% (docs/performance-model.md, "Validating").
+# it at the median, and the iteration's prediction is meant to land within 10% of the measurement.
 WIDE_PASS_SPREAD = 0.10
 
 
 def wide_pass_note(model: ModelProfile) -> Optional[str]:
-    """A note naming the passes that wandered more than ``WIDE_PASS_SPREAD`` over the model profile's probe rounds:
-    on the H100 hosts such passes were paced by the host, whose speed moves in stretches of seconds, and training
-    measured minutes later may fall in another stretch (docs/experiments.md, sections 25 and 30)."""
+    """A note naming the passes whose time varied by more than ``WIDE_PASS_SPREAD`` over the model profile's probe
+    rounds: such passes are paced by the host, whose speed moves in stretches of seconds, and training measured
+    minutes later may fall in another stretch."""
     wide = {name: x for name, x in model.pass_spread().items() if x > WIDE_PASS_SPREAD}
     if not wide:
         return None
-    passes = ", ".join(f"{PROBE_PASSES[name]} {x:.0%}" for name, x in wide.items())
-    return (f"the model profile's passes wandered over its {len(model.probe_rounds)} probe rounds (interquartile "
-            f"range over the median): {passes}; the predictions take each pass's median, so a measured iteration "
-            "may land anywhere in that spread (passes that wait on the host wander so: docs/experiments.md, "
-            "section 30)")
+    passes = ", ".join(f"{PROBE_PASSES[name]} by about {x:.0%}" for name, x in wide.items())
+    return (f"the host's speed moved while the model profile timed its passes ({passes} from one probe round to "
+            "another): the predictions take each pass's typical time, so a measured iteration may be off by as much; "
+            "profile the model again when the machine is otherwise idle")
 
 
 def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_path: Path,
@@ -157,7 +160,7 @@ def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_
 def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[ModelProfile], Optional[Path], ModelInputs]:
     node_p, node_path, model_p, model_path = resolve_profiles(opts)
     world = opts.world()
-    node, world_notes = rank_inputs(node_p, world)
+    node, world_notes = rank_inputs(node_p, world, opts.details)
     opts.notes += world_notes
     spec = resolve_model(opts.model)
     numels = param_numels(spec)
@@ -172,6 +175,10 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
         peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
     host = host_budget(opts.host_memory_budget, node_p, world.gpus_per_node)
     space = Space(node, m, numels, None, peak_limit, world=world, profile_subgroups=prof_sub, host_budget_gib=host)
+    if space.coeffs.lacking:
+        opts.notes.append(f"the {' and the '.join(space.coeffs.lacking)} come from an older dostune and lack "
+                          "measurements this one makes; the model stands in defaults for them (listed with --verbose "
+                          "and in tune.json): profile again with this dostune for closer predictions")
     # the least any offloaded schedule pins (fp32 params, Adam states and gradients of the partition, nothing else)
     least = space.node_pinned_gib(space.predict_schedule(space.sub_group_sizes[-1], ScheduleConfig(gpu_fraction=0.0)))
     if least > host:
@@ -413,6 +420,6 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         ds_sub_group_size=ds_sgs, world=world.as_config(), host_budget_gib=space.host_budget_gib,
         profile_steal=model_p.steal if model_p else None,
         profile_set_aside=model_p.set_aside.runs if model_p and model_p.set_aside else None,
-        notes=list(opts.notes) + [n for n in space.coeffs.notes if n not in opts.notes])
+        notes=list(opts.notes), details=list(opts.details) + [n for n in space.coeffs.notes if n not in opts.details])
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
                                opts.activation_checkpointing, world), space

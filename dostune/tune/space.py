@@ -100,8 +100,7 @@ class Space:
         # minute). The prediction keeps the tuned split: with "first" placement, moving the k highest GPU-lane
         # subgroups gives the lanes of the candidate with k fewer, which the search scores anyway, so the model's
         # best split is already its pick. Their shadow states count in the pinned host memory. On the H100 with
-        # gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s
-        # (results/h100/swing-gpt2-1.3b/).
+        # gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to 0.078 s with the swing on.
         swing = max(0, min(c.gpu_count, n) - resident) if c.overlap_backward else 0
         return ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
                               gpu_placement=c.gpu_placement, cpu_threads=c.cpu_threads, upload=c.upload,
@@ -187,8 +186,8 @@ class Space:
         """The CPU threads of every overlap_backward schedule: the step's count whose backward count (one fewer,
         ScheduleConfig.backward_cpu_threads) the model profile's lane probe ran with. The model knows the lane's rate
         at that count only; at another it could read it only through CPU Adam's rates, and on an H200 host the lane
-        at 7 threads ran 1.9x slower than its 15-thread probe where CPU Adam's rates said 1.2x (docs/experiments.md,
-        section 32). None where the model profile has no lane probe: every count is searched."""
+        at 7 threads ran 1.9x slower than its 15-thread probe where CPU Adam's rates said 1.2x. None where the model
+        profile has no lane probe: every count is searched."""
         t = self.model.lane_threads
         return self.node.threads_near(t + 1) if t is not None else None
 

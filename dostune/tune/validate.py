@@ -24,6 +24,7 @@ from ..bench.run import BenchOptions, RoundProgress, bench_record, method_offloa
 from ..dsconfig import DEFAULT_SUB_GROUP_SIZE, OffloadSettings
 from ..errors import DostuneError, NotAvailable
 from ..host_memory import fit_host_memory
+from ..host_steal import NOTE_ABOVE
 from ..models.registry import ModelSpec, resolve_model
 from ..optim.footprint import available_host_bytes
 from ..optim.schedule import ScheduleConfig
@@ -117,3 +118,59 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
     rows = [row(label, method, sgs, schedule, predicted, pooled[label])
             for label, method, _, sgs, schedule, predicted in jobs if label in pooled and pooled[label].ran]
     return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled), stopped=stopped)
+
+
+METHODS = ("dostune", "zero-offload")
+
+
+def _share(x: Optional[float]) -> str:
+    return "an unknown share" if x is None else f"{x:.1%}"
+
+
+def validation_details(res: TuneResult) -> list[str]:
+    """What a validation says beyond each row's measured against predicted, a line each (tune.json's details, which
+    `dostune tune --verbose` prints): the median errors per method, how far the host moved since the model profile,
+    how far the rounds disagreed, the rows whose swing ran another split, and the hypervisor's steal."""
+    out = []
+    for method in METHODS:
+        rows = sum(v.method == method for v in res.validation)
+        it, st = res.median_error("iter", method), res.median_error("step", method)
+        if it is not None and st is not None:
+            out.append(f"{method}: median prediction error over {rows} row(s): iteration {it:.1%} "
+                       f"({1e3 * res.median_error_s('iter', method):.0f} ms), step {st:.1%} "
+                       f"({1e3 * res.median_error_s('step', method):.0f} ms)")
+    drift, step_drift = res.host_drift("iter"), res.host_drift("step")
+    if drift is not None:
+        # ZeRO-Offload's prediction is the model profile's own measurement of it: the ratio is the host's, not the
+        # model's, and every other row was measured on the same host
+        step = f" (its step {step_drift:.2f}x)" if step_drift is not None else ""
+        out.append(f"ZeRO-Offload ran {drift:.2f}x the iteration its model profile measured{step}: the host's speed "
+                   "moved by that much since the profile, and every error above holds that move; far from 1.00x, "
+                   "profile the model again before taking the errors for the model's")
+    spreads = [f"{m} {it:.1%} / {st:.1%}" for m in METHODS
+               if (it := res.round_spread("iter", m)) is not None and (st := res.round_spread("step", m)) is not None]
+    if spreads:
+        # each round is a fresh process running the same schedule: no prediction can agree better than they do
+        out.append("the same schedule measured in separate processes differed by " + ", ".join(spreads)
+                   + " (iteration / step, slowest round over fastest, median over rows): errors of that size are "
+                     "this host's own variation; more --validate-rounds average more of it out")
+    swung = [(v.label, *moved) for v in res.validation if (moved := v.swung()) is not None]
+    if swung:
+        # the model predicts the tuned split; the swing moves GPU-lane subgroups when the lanes' measured times
+        # disagree with it
+        out.append("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring "
+                   + ", ".join(f"{label} ({med:g} typically, {most} at most)" for label, med, most in swung)
+                   + ": those rows ran another split than the one predicted, so their step may differ from the "
+                     "prediction for that reason")
+    prof, runs = res.profile_steal, res.validation_steal()
+    if prof is not None or runs is not None:
+        def aside(n):
+            return "" if not n else f" ({n} timed iteration{'s' if n != 1 else ''} set aside for it)"
+
+        quiet = all(x is None or x <= NOTE_ABOVE for x in (prof, runs))
+        out.append(f"the hypervisor took {_share(prof)} of the CPU while the model profile timed its iterations"
+                   f"{aside(res.profile_set_aside)} and {_share(runs)} over the validated runs"
+                   f"{aside(res.validation_set_aside())}: "
+                   + ("the host was quiet" if quiet else "CPU work runs slower under steal, so a difference between "
+                      "the two moves every error; profile and validate when the host is quiet"))
+    return out

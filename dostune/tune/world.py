@@ -43,20 +43,22 @@ def resolve_world(num_gpus: Optional[int], nodes: Optional[int], hostfile: Optio
 
 
 def find_model_profile(node: NodeProfile, node_path: Path, model: str, micro_batch: Optional[int],
-                       seq: Optional[int], world: World, notes: list[str]) -> Optional[Path]:
+                       seq: Optional[int], world: World, notes: list[str], details: list[str]) -> Optional[Path]:
     """profiles/<node>-<model>-b<B>-s<S>[-MxN].json beside the node profile, the names `dostune profile --model`
-    gives (-MxN: measured under the launcher on M nodes of N GPUs), for this world; None without one."""
+    gives (-MxN: measured under the launcher on M nodes of N GPUs), for this world; None without one. ``notes`` get
+    a line when a profile of another world is passed over, ``details`` the path of the one found."""
     pattern = re.compile(rf"^{re.escape(node.name)}-{re.escape(model)}-b(\d+)-s(\d+)(?:-(\d+)x(\d+))?\.json$")
     found = [(c, pattern.match(c.name)) for c in sorted(node_path.parent.glob(f"{node.name}-*.json"))]
     found = [(c, m) for c, m in found if m is not None and (micro_batch is None or int(m.group(1)) == micro_batch)
              and (seq is None or int(m.group(2)) == seq)]
     here = [c for c, m in found if World(int(m.group(3) or 1), int(m.group(4) or 1)) == world]
     if here:
-        notes.append(f"model profile: {here[0]}")
+        details.append(f"model profile: {here[0]}")
         return here[0]
     if found:
         notes.append(f"{found[0][0]} was measured in another world than {world.describe()}: not used (forward, "
-                     "backward and memory per rank depend on the world; docs/multi-gpu.md)")
+                     "backward and memory per rank depend on the world); profile the model under the launcher in "
+                     "this world and pass --model-profile (docs/multi-gpu.md)")
     return None
 
 

@@ -3,14 +3,14 @@ model) and writes one table: per model, the median iteration and step errors (re
 validated schedules and of ZeRO-Offload, against the bounds the model is held to, and how far the host drifted between
 profile and validation (TuneResult.host_drift), with the share of CPU time the hypervisor took in the profile and in
 the validated runs, and the timed iterations each set aside for it, how far each row's rounds (each a fresh process)
-were apart, and in how many rows adaptive_swing ran another split than the predicted one, where they recorded them.
+were apart, each round held to the bounds as the prediction of the others, and in how many rows adaptive_swing ran
+another split than the predicted one, where they recorded them.
 
-    python -m dostune.tune.validation_report runs/gpu/validate-*/tune.json [--output report.md]
+    python -m tools.validation_report runs/gpu/validate-*/tune.json [--output report.md]
 
 With --repredict, the rows are the same measurements beside what today's model predicts from the same profiles
-(tune/repredict.py), instead of the predictions recorded with the model of the validation's day; with
---profiles NODE MODEL too, from those two profiles instead (one model's files: the same rows measured again on another
-host, tune/remeasure.py, predicted from that host's profiles).
+(tools/repredict.py), instead of the predictions recorded with the model of the validation's day; with
+--profiles NODE MODEL too, from those two profiles instead (one model's files).
 
 Exit status 0 when every model is within the bounds, 1 when one is not (the table says which), 2 on a bad file.
 """
@@ -21,18 +21,24 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..errors import DostuneError
-from ..host_steal import QUIET_BELOW
-from ..records import atomic_write_text, read_json_record
-from .record import TuneResult
+from dostune.errors import DostuneError
+from dostune.host_steal import QUIET_BELOW
+from dostune.records import atomic_write_text, read_json_record
+from dostune.tune.record import TuneResult, Validation, median, relative_error
 
 # per model, the median error over its validated rows of each method
 ITER_BOUND, STEP_BOUND = 0.10, 0.20
 METHODS = ("dostune", "zero-offload")
 
 
+# the held-out shapes' registry lived in examples/ when most validations were measured, and their records name it
+_OLD_SHAPES, _SHAPES = "examples.validation_shapes:", "tools.validation_shapes:"
+
+
 def load(path: "str | Path") -> TuneResult:
     data = read_json_record(path, "tuning result")
+    if isinstance(data.get("model"), str) and data["model"].startswith(_OLD_SHAPES):
+        data["model"] = _SHAPES + data["model"][len(_OLD_SHAPES):]
     try:
         return TuneResult.model_validate(data)
     except ValueError as e:
@@ -44,6 +50,23 @@ def within(iter_error: Optional[float], step_error: Optional[float]) -> Optional
     if iter_error is None or step_error is None:
         return None
     return iter_error <= ITER_BOUND and step_error <= STEP_BOUND
+
+
+def repeat_error(v: Validation, phase: str, k: int) -> Optional[float]:
+    """Round ``k`` of ``v`` (iter or step) taken as the prediction of the median of its other rounds (None with fewer
+    than two rounds, or no round ``k``): how closely one process of the schedule predicts another on the same host
+    minutes later. The model reads its inputs from one profile process, so this is about as close as it can be held."""
+    xs = getattr(v, f"measured_round_{phase}_s")
+    if not xs or len(xs) < 2 or k >= len(xs):
+        return None
+    return relative_error(xs[k], median(xs[:k] + xs[k + 1:]))
+
+
+def repeat_median_error(res: TuneResult, phase: str, method: str, k: int) -> Optional[float]:
+    """The median over ``method``'s rows of their round ``k`` taken as the prediction of their other rounds; None
+    unless every such row ran that round and another, so that it is the same rows the model is held on."""
+    errors = [repeat_error(v, phase, k) for v in res.validation if v.method == method]
+    return None if not errors or None in errors else median(errors)
 
 
 def summarize(results: list[TuneResult]) -> list[dict]:
@@ -68,8 +91,8 @@ def summarize(results: list[TuneResult]) -> list[dict]:
                         "rounds_apart": (res.round_spread("iter", method), res.round_spread("step", method)),
                         "swung": (sum(v.swung() is not None for v in recorded), len(recorded)) if recorded else None,
                         "ok": within(it, st) is True, "index": index,
-                        "repeat": tuple(within(res.repeat_median_error("iter", method, k),
-                                               res.repeat_median_error("step", method, k)) for k in (0, 1))})
+                        "repeat": tuple(within(repeat_median_error(res, "iter", method, k),
+                                               repeat_median_error(res, "step", method, k)) for k in (0, 1))})
     return out
 
 
@@ -109,27 +132,26 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
     repeat = any(x is not None for r in rows for x in r.get("repeat", ()))
     lines = [f"Median relative errors of `dostune tune --validate` per model (bounds: iteration <= {ITER_BOUND:.0%}, "
              f"step <= {STEP_BOUND:.0%})"
-             + (", re-predicted by today's model from each validation's profiles (python -m "
-                "dostune.tune.validation_report --repredict): shapes the model was since changed for are not unseen"
-                if repredicted else ""), "",
+             + (", re-predicted by today's model from each validation's profiles: shapes the model was since "
+                "changed for are not unseen" if repredicted else ""), "",
              "Iteration and step: the median relative error over the model's rows, and the median absolute error "
              "(ms). Host drift: ZeRO-Offload's validated iteration over the model profile's measurement of it: how far "
-             "the host moved since its profile, with one process's spread against another's (docs/experiments.md, "
-             "sections 36 and 60), or, where the profile was taken on another machine, how far the two differ. Every "
-             "row of that model holds a move of that size, whatever the model."
+             "the host moved since its profile, with one process's spread against another's, or, where the profile was "
+             "taken on another machine, how far the two differ. Every row of that model holds a move of that size, "
+             "whatever the model."
              + (" Host steal: the share of CPU time the hypervisor took while the model profile timed its iterations, "
-                "and over the validated runs (docs/experiments.md, section 16)." if steal else "")
+                "and over the validated runs." if steal else "")
              + (f" Set aside: timed iterations the hypervisor took more than {QUIET_BELOW:.0%} of the CPU from, each "
-                "run again (docs/experiments.md, section 17)." if aside else "")
+                "run again." if aside else "")
              + (" Rounds apart: per row, how much longer its slowest round took than its fastest, each round a fresh "
                 "process running the same schedule; the median over the model's rows, iteration / step. Errors of "
-                "that size are the measurement's own (docs/experiments.md, section 20)." if apart else "")
+                "that size are the measurement's own." if apart else "")
              + (" Swing moved: of the rows that recorded adaptive_swing's split, those that ran with GPU-lane subgroups "
                 "moved to the CPU lane in a timed iteration; the model predicts the tuned split, so their step is "
-                "another split's (docs/performance-model.md)." if swing else "")
+                "another split's." if swing else "")
              + (" A round as the other's: the first round's medians, then the second's, each taken as the prediction "
                 "of the row's other rounds (fresh processes minutes apart on the same host) and held to the same "
-                "bounds over the model's rows; '-' where a row ran one round (docs/experiments.md, section 80)."
+                "bounds over the model's rows; '-' where a row ran one round."
                 if repeat else ""), "",
              "| model | parameters | method | rows | iteration | step | backward | within | host drift |"
              + (" host steal, profile / runs |" if steal else "") + (" set aside, profile / runs |" if aside else "")
@@ -163,11 +185,11 @@ def markdown(rows: list[dict], repredicted: bool = False) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dostune.tune.validation_report", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.validation_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="tune.json files written by dostune tune --validate")
     ap.add_argument("--output", type=Path, help="also write the table to this file")
     ap.add_argument("--repredict", action="store_true", help="put today's model's predictions, from each "
-                    "validation's own profiles, beside its measurements (tune/repredict.py)")
+                    "validation's own profiles, beside its measurements")
     ap.add_argument("--profiles", nargs=2, type=Path, metavar=("NODE", "MODEL"), help="with --repredict: predict "
                     "from this node profile and model profile instead of each validation's own")
     args = ap.parse_args(argv)
@@ -176,14 +198,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         results = [load(p) for p in args.results]
         if args.profiles:
-            from .repredict import repredict
+            from tools.repredict import repredict
 
             models = {r.model for r in results}
             if len(models) > 1:
                 raise DostuneError(f"--profiles holds one model's profile, the files are of {len(models)} models")
             results = [repredict(r, *args.profiles) for r in results]
         elif args.repredict:
-            from .repredict import repredict_file
+            from tools.repredict import repredict_file
 
             results = [repredict_file(p, r) for p, r in zip(args.results, results)]
         rows = summarize(results)

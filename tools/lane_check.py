@@ -3,17 +3,17 @@ in the validation's bench record) beside the spans today's model predicts for it
 
 Per row, in the step's own clock (0 where DeepSpeed's step starts; spans before it ran during backward):
 
-- when the lanes end: the model's after its prologue share of ``t_oh`` (docs/performance-model.md, The step), the
-  trace's at its last span; the model's later end is the first part of its step error;
-- what follows them: the model's rest of ``t_oh`` against the measured step's median less the traced last span; the
+- when the lanes end: the model's after its prologue share of the step overhead, the trace's at its last span; the
+  model's later end is the first part of its step error;
+- what follows them: the model's rest of the overhead against the measured step's median less the traced last span; the
   second part (the two add up to the step error: predicted less measured);
 - the CPU lane's seconds per element, the model's over the trace's, for the subgroups it took up during backward and
   for those it took up in the step.
 
-    python -m dostune.tune.lane_check results/h200/heldout-47/*_*b.json
+    python -m tools.lane_check runs/gpu/validate-*/tune.json [--profiles NODE MODEL]
 
 One traced step against the median of all the timed ones: a row's figures hold that step's own draw. The bench record
-is found where tune recorded it or beside the tune.json as ``MODEL-bench.json`` (the committed results' layout).
+is found where tune recorded it or beside the tune.json as ``MODEL-bench.json`` (how committed validations keep it).
 Exit status 0, or 2 on a bad file.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..bench.record import BenchResult, load_bench
-from ..errors import DostuneError
-from .record import TuneResult, median
-from .repredict import prediction_space, profiles_of, validated_schedule
-from .space import Space
-from .validation_report import _ratio as _x, load
+from dostune.bench.record import BenchResult, load_bench
+from dostune.errors import DostuneError
+from dostune.tune.record import TuneResult, median
+from dostune.tune.space import Space
+from tools.repredict import prediction_space, profiles_of, validated_schedule
+from tools.validation_report import _ratio as _x, load
 
 
 @dataclass
@@ -103,16 +103,6 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:+.0f} ms"
 
 
-def summary(rows: list[LaneCheck]) -> Optional[str]:
-    """One line for `dostune tune --validate`: each row's lane rates and lanes' end against its traced step."""
-    if not rows:
-        return None
-    return ("CPU lane against each row's traced step (the model's seconds per element over the traced, during "
-            "backward / in the step; how much later the model's lanes end): "
-            + "; ".join(f"{r.label} {_x(r.backward_rate)} / {_x(r.step_rate)}, {_ms(r.lanes_end_s)}" for r in rows)
-            + " (python -m dostune.tune.lane_check)")
-
-
 def markdown(rows: list[LaneCheck]) -> str:
     lines = ["| model | row | step error | = lanes' end | + after the lanes | CPU lane per element, model / traced: "
              "in backward | in the step |", "|---|---|---|---|---|---|---|"]
@@ -126,7 +116,7 @@ def markdown(rows: list[LaneCheck]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dostune.tune.lane_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.lane_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", type=Path, help="tune.json files written by dostune tune --validate")
     ap.add_argument("--profiles", nargs=2, type=Path, metavar=("NODE", "MODEL"), help="predict from this node "
                     "profile and model profile instead of each validation's own")

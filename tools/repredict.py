@@ -1,17 +1,15 @@
 """Validations re-predicted by the performance model as it is now: every row a `dostune tune --validate` measured,
 beside the prediction today's model makes from the same two profiles.
 
-A validation records the predictions of the model of its day. The model changes (docs/performance-model.md), and
-whether a change helps shows on the rows already measured: re-predicted, they say how today's model would have
-done, while the measurements stay what they were. Rows of a shape the model was changed for are not unseen any
-more; only a validation run with the model as it was then is a check on shapes it has not seen.
+A validation records the predictions of the model of its day. Whether a change to the model helps shows on the rows
+already measured: re-predicted, they say how today's model would have done, while the measurements stay what they
+were. Rows of a shape the model was changed for are not unseen any more; only a validation run with the model as it
+was then is a check on shapes it has not seen.
 
 The profiles are found as `tune` recorded them or, where those paths are gone (a validation measured on another
-machine), in the layout of the committed results (results/h100/heldout-*/): ``MODEL-profile.json`` beside
-``MODEL.json``, and the node profile the ``node-*.json`` there created last before the tune (each machine profiled
-itself before it tuned, so that is the file the tune read; a model profile may be older than that node profile, as
-heldout-26's gpt2_1_42b is). A record measured again by tune/remeasure.py carries the time it was measured again,
-not its tune's: a node profile created between its tune and then would be taken for its own.
+machine and committed), beside the tune.json: ``MODEL-profile.json`` beside ``MODEL.json``, and of the ``node*.json``
+there the one created last before the tune (each machine profiled itself before it tuned, so that is the file the
+tune read; a model profile may be older than that node profile).
 """
 from __future__ import annotations
 
@@ -19,11 +17,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ProfileError
-from ..optim.schedule import REMOVED_KEYS, ScheduleConfig
-from .record import TuneResult, Validation
-from .search import TuneOptions, build_space, predicted_times, zero_offload_times
-from .validation_report import load
+from dostune.errors import ProfileError
+from dostune.optim.schedule import REMOVED_KEYS, ScheduleConfig
+from dostune.tune.record import TuneResult, Validation
+from dostune.tune.search import TuneOptions, build_space, predicted_times, zero_offload_times
+from tools.validation_report import load
 
 
 def _created(path: Path) -> str:
