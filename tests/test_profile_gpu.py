@@ -17,7 +17,8 @@ def test_pageable_device_to_host_copies_are_measured():
 def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     from dostune.perfmodel.coefficients import Coefficients
     from dostune.perfmodel.inputs import ModelInputs, NodeInputs
-    from dostune.profile.model import ModelProfileOptions, measure_model
+    from dostune.profile.identity import gpu_info, node_name
+    from dostune.profile.model import MODEL_EFFORT, ModelProfileOptions, measure_model
     from dostune.profile.paths import shipped_profile
     from dostune.profile.record import load_node_profile
 
@@ -26,6 +27,8 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
                                              probe_seconds=1.0),
                          command="pytest")
     assert prof.device == "cuda" and prof.offload_pin_memory is True
+    # the standard mode's counts, and the node named as the node profile names it by default
+    assert prof.mode == "standard" and prof.node == node_name(gpu_info(0))
     assert prof.backward_no_copy_s.median > 0
     # dropping the copies leaves less to do than ZeRO-Offload's backward with them
     assert prof.backward_no_copy_s.median < 1.5 * prof.phases["bwd"].time_s.median
@@ -41,7 +44,8 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     # schema 10: the step's lane from memory, alone and beside copies both ways that really streamed
     step = prof.step_lane
     assert step is not None and step.subgroups >= 2 and step.elements == 1_000_000
-    assert step.alone_s.n == step.subgroups * 20 and step.beside_copies_s.n >= 20
+    rounds_of_step_lane = MODEL_EFFORT["standard"].step_lane_rounds
+    assert step.alone_s.n == step.subgroups * rounds_of_step_lane and step.beside_copies_s.n >= rounds_of_step_lane
     assert step.h2d_gbps > 1 and step.d2h_gbps > 1 and step.copies_slowdown > 0.5
     assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
     assert prof.step_parts_s["_partition_all_parameters"] > 0
