@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What `dostune profile --thorough` buys over the default, on a GPU machine: the node and MODEL (default gpt2-1.3b,
-# micro-batch 8, seq 1024) profiled in each mode, each profile's wall seconds, then a tune from each pair and, from
-# each pair, the predicted iteration of one fixed schedule (the one tuned from the thorough pair), of its own tuned
-# pick and of ZeRO-Offload. One table row per mode. About 7-8 minutes on one H200 with gpt2-1.3b; DeepSpeed's CPU
-# Adam and dostune's CPU kernel are built first, untimed, so that neither mode's time holds a first build.
+# micro-batch 8, seq 1024) profiled in the default mode and with --thorough, each profile's wall seconds, then a tune
+# from each pair and, from each pair, the predicted iteration of one fixed schedule (the one tuned from the thorough
+# pair), of that pair's own tuned pick and of ZeRO-Offload: one table row per mode. DeepSpeed's CPU Adam and
+# dostune's CPU kernel are built first, untimed, so that neither mode's time holds a first build. The modes run one
+# after the other, so the host's drift between them shows in the table too. Budgeted for under 9 minutes on one H200
+# with gpt2-1.3b.
 #   bash scripts/profile-accuracy.sh          # MODEL=..., TRIALS (30), OUT (runs/profile-accuracy) to change them
 set -euo pipefail
 MODEL=${MODEL:-gpt2-1.3b}

@@ -80,3 +80,22 @@ def test_queued_copies_stream_both_ways_and_the_contention_probe_reads_them():
         assert len(ends) * chunk / ends[-1] > 1e9  # slower than 1 GB/s is a broken measurement
     c = measure_contention(1_000_000, 2, repeats=2, chunk_bytes=chunk)
     assert c.with_dma_s.n == 2 and c.dma_gbps_during > 1 and c.gpus == 1
+
+
+def test_tune_takes_this_nodes_profile_from_profiles_by_default(tmp_path, monkeypatch):
+    """On a GPU machine `dostune tune` without --profile reads profiles/NODE.json, the file `dostune profile` writes
+    there by default, and says which; before it exists, one line says how to make it."""
+    from typer.testing import CliRunner
+
+    from dostune.cli.app import app
+    from dostune.profile.identity import gpu_info, node_name
+
+    monkeypatch.chdir(tmp_path)
+    tune = ["tune", "--model", "gpt2-1.3b", "--trials", "2", "--output-dir", "tuned"]
+    r = CliRunner().invoke(app, tune)
+    assert r.exit_code == 2 and "dostune profile" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(app, ["profile", "--quick"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, tune)
+    assert r.exit_code == 0, r.output
+    assert f"node profile: profiles/{node_name(gpu_info(0))}.json" in " ".join(r.output.split())
