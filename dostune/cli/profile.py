@@ -116,10 +116,10 @@ def profile(
     launcher, as training will run (file name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
       deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b
 
-    How long: on a GPU node the node profile measures for well under a minute, besides building DeepSpeed's CPU
-    Adam on first use (about a minute, once per machine); a model profile takes a minute or two for a 1-3B
-    model, more for larger ones (each iteration runs ZeRO-Offload's step). --thorough takes the counts every
-    validation of the performance model used: more repeats, and for a model about a minute more.
+    How long: the node profile about a minute and a half on a GPU node the first time (DeepSpeed's CPU Adam is
+    built on first use, once per machine), less after; a model profile one to two minutes for a 1-3B model, more
+    for larger ones (each iteration runs ZeRO-Offload's step). --thorough takes the counts every validation of
+    the performance model used: more repeats, and for a model about a minute more.
 
     Examples:
       dostune profile

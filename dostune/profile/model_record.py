@@ -35,8 +35,8 @@ from .record import Series
 # GPU). Older profiles load with none: the model takes the step's lane from the backward probes' reading then.
 # 11: later_window (ZeRO-Offload's step timed again after the backward probes, a second draw of the host's speed).
 # Older profiles load with none: the model takes the step from the first timed iterations alone then.
-# 12: mode (standard or thorough: how many iterations and probe seconds the profile took). Older profiles load with
-# none: they were measured as "thorough" measures now.
+# 12: mode (standard or thorough: the counts the profile started from; ``iterations`` and ``probe_seconds`` say what
+# it took). Older profiles load with none.
 MODEL_SCHEMA_VERSION = 12
 MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12)
 MODEL_KIND = "dostune.model-profile"
@@ -182,7 +182,7 @@ class ModelProfile(Record):
     created: str
     command: str
     dostune_version: str
-    mode: Optional[ModelMode] = None  # v12 (None: measured before the modes, as "thorough" measures now)
+    mode: Optional[ModelMode] = None  # v12 (None: measured before profiles recorded a mode)
     node: str
     device: str
     gpu_total_gib: Optional[float]

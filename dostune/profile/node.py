@@ -23,14 +23,14 @@ M = 1_000_000
 
 
 # Timed repeats of each measurement, by mode: "standard" (the default) keeps every figure the tuner reads, each the
-# median of three; "thorough" (for validation work) takes five, as every profile did before the modes existed.
+# median of three; "thorough" (for validation work) takes five, the default before the modes existed.
 NODE_REPEATS = {"standard": 3, "thorough": 5}
 
 
 @dataclass
 class NodeProfileOptions:
-    """What to measure. The defaults (the standard mode) measure for well under a minute on a GPU node, besides
-    building DeepSpeed's CPU Adam on first use; ``thorough()`` takes more repeats, ``tiny()`` seconds on any machine."""
+    """What to measure. The defaults are the standard mode's, what `dostune profile` measures; ``thorough()`` takes
+    more repeats, ``tiny()`` seconds on any machine."""
 
     name: Optional[str] = None
     mode: NodeMode = "standard"

@@ -190,7 +190,7 @@ class NodeProfile(Record):
     created: str
     command: str
     dostune_version: str
-    # v6: the mode that set the repeats and sizes (None: measured before the modes, as "thorough" measures now)
+    # v6: the mode whose repeats and sizes it started from (None: measured before profiles recorded a mode)
     mode: Optional[NodeMode] = None
     repeats: int
     host: HostInfo
