@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# profile -> tune -> train with the CLI, in the current folder (outputs under runs/).
+# profile -> tune -> train with the CLI, in the current folder: profiles go to profiles/ (where `dostune tune` finds
+# them), everything else under runs/.
 # With a GPU: profile this node and the model, tune, train with the tuned config.
 # Without one: profile this machine's CPU side, tune gpt2-1.3b from the shipped H100 profile, carry the tuned
 # schedule over to a model a CPU trains in seconds (dostune refit) and train that, so the flow runs anywhere.
 # Knobs (the defaults are the real run; tests/test_quickstart.py turns them down):
-#   MODEL (gpt2-1.3b), TRIALS (50), STEPS (200 on a GPU, 20 on a CPU), PROFILE_ARGS (e.g. --quick)
+#   MODEL (gpt2-1.3b), TRIALS (50), STEPS (200 on a GPU, 20 on a CPU), PROFILE_ARGS (flags for the profiles: e.g.
+#   --thorough; --quick on a machine without a GPU)
 set -euo pipefail
 MODEL=${MODEL:-gpt2-1.3b}
 TRIALS=${TRIALS:-50}
@@ -12,15 +14,17 @@ PROFILE_ARGS=${PROFILE_ARGS:-}
 rm -rf runs/ckpt runs/ckpt-demo  # this demo's own checkpoints: `dostune train` refuses to overwrite a run
 # the GPU dostune would use (CUDA_VISIBLE_DEVICES= hides it, as for dostune itself)
 if python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  dostune profile --name mynode --output runs/profiles/mynode.json --force $PROFILE_ARGS
-  dostune profile --model "$MODEL" --micro-batch 8 --seq 1024 --name mynode \
-    --output "runs/profiles/mynode-$MODEL-b8-s1024.json" --plot runs/profiles/memory.png --force
-  dostune tune --profile runs/profiles/mynode.json --model "$MODEL" --trials "$TRIALS" --output-dir "runs/tune/$MODEL"
+  # profiles/mynode.json and profiles/mynode-MODEL-b8-s1024.json (named, so that they never overwrite a profile
+  # dostune ships in a checkout's profiles/); tune finds the model profile beside the node profile
+  dostune profile --name mynode --force $PROFILE_ARGS
+  dostune profile --model "$MODEL" --micro-batch 8 --seq 1024 --name mynode --plot "runs/$MODEL-memory.png" --force \
+    $PROFILE_ARGS
+  dostune tune --profile profiles/mynode.json --model "$MODEL" --trials "$TRIALS" --output-dir "runs/tune/$MODEL"
   dostune train --config "runs/tune/$MODEL/ds_config.json" --model "$MODEL" --steps "${STEPS:-200}" --save-dir runs/ckpt
 else
   echo "== no GPU here: profiling this machine's CPU side (CPU Adam, conversions) for real"
-  dostune profile --name this-node --output runs/profiles/this-node.json --force $PROFILE_ARGS
-  echo "== tuning $MODEL from the shipped H100 profile, not from runs/profiles/this-node.json: the schedule splits"
+  dostune profile --name this-node --force $PROFILE_ARGS
+  echo "== tuning $MODEL from the shipped H100 profile, not from profiles/this-node.json: the schedule splits"
   echo "   each optimizer step between a GPU and its host, and a machine without a GPU has no GPU or PCIe figures"
   dostune tune --model "$MODEL" --trials "$TRIALS" --output-dir "runs/tune/$MODEL"
   echo "== training the tuned schedule's shape on gpt2-tiny, which a CPU trains in seconds"

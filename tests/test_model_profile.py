@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -62,6 +63,42 @@ def test_round_trip_and_plot(prof, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_the_standard_mode_measures_less_and_thorough_as_every_profile_did_before_the_modes():
+    from dostune.errors import DostuneError
+    from dostune.profile.model import MODEL_EFFORT, ModelEffort
+
+    # --thorough: the counts of every model profile measured before the modes, which the validations used
+    assert MODEL_EFFORT["thorough"] == ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)
+    standard = ModelProfileOptions()
+    assert (standard.mode, standard.iters, standard.step_lane_rounds) == ("standard", 3, 10)
+    assert standard.resolved_probe_seconds(cuda=True) == 15.0
+    thorough = ModelProfileOptions.of_mode("thorough", model="gpt2-tiny", iters=None, probe_seconds=None)
+    assert (thorough.mode, thorough.model, thorough.iters, thorough.step_lane_rounds) == ("thorough", "gpt2-tiny", 5, 20)
+    assert thorough.resolved_probe_seconds(cuda=True) == 60.0
+    # without a GPU the probes' rounds run in a row in either mode (such a profile tunes nothing real); counts given
+    # win over the mode's
+    assert thorough.resolved_probe_seconds(cuda=False) == standard.resolved_probe_seconds(cuda=False) == 0.0
+    given = ModelProfileOptions.of_mode("thorough", iters=2, probe_seconds=7.0)
+    assert (given.mode, given.iters, given.resolved_probe_seconds(cuda=True)) == ("thorough", 2, 7.0)
+    with pytest.raises(DostuneError, match="standard or thorough"):
+        ModelProfileOptions.of_mode("sloppy")
+
+
+def test_cli_model_profile_goes_beside_the_node_profile_by_default(tmp_path, monkeypatch):
+    """profiles/NODE-MODEL-bB-sS.json in the current folder, NODE the node profile's own default name: the file
+    `dostune tune` looks for beside profiles/NODE.json. The path is checked before anything is measured, so an
+    existing one is refused at once."""
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "profiles" / f"cpu-{os.cpu_count()}c-gpt2-tiny-b2-s32.json"
+    default.parent.mkdir()
+    default.write_text("precious")
+    r = CliRunner().invoke(app, ["profile", "--model", "gpt2-tiny", "--micro-batch", "2", "--seq", "32"])
+    assert r.exit_code == 2 and "already exists" in r.output and default.read_text() == "precious", r.output
+    for bad, says in ((["--quick"], "--quick profiles the node"), (["--thorough", "--quick"], "contradict")):
+        r = CliRunner().invoke(app, ["profile", "--model", "gpt2-tiny", *bad])
+        assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
+
+
 def test_cli_model_profile_bad_model():
     r = CliRunner().invoke(app, ["profile", "--model", "gpt9-huge"])
     assert r.exit_code == 2 and "unknown model" in r.output
@@ -77,7 +114,9 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 11 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 12 and prof.offload_pin_memory is True and prof.offload_pinned
+    # v12: the mode whose counts it took (the options' defaults: standard), and the node as the node profile names it
+    assert prof.mode == "standard" and prof.node == f"cpu-{os.cpu_count()}c"
     assert prof.step_lane is None  # v10: measured beside copies, so only on a GPU (tests/test_profile_gpu.py)
     # v5: the hypervisor's share of the CPU while the iterations were timed, where /proc/stat has it (Linux)
     assert (prof.steal is None) == (cpu_times() is None) and (prof.steal is None or 0.0 <= prof.steal < 1.0)
@@ -153,11 +192,8 @@ def test_the_probes_rounds_fill_their_seconds_and_every_rank_runs_the_most_any_n
     assert probe_rounds(5, 60.0, 0.5, lambda wanted: [wanted, 200, 7]) == 200
 
 
-def test_pass_spread_is_each_passs_interquartile_range_over_its_median():
-    from dostune.profile.model_record import ProbeRound, load_model_profile
-    from dostune.profile.paths import shipped_profile
-
-    prof = load_model_profile(shipped_profile("h100-pcie5-gpt2-1.3b-b8-s1024.json"))
+def test_pass_spread_is_each_passs_interquartile_range_over_its_median(prof):
+    from dostune.profile.model_record import ProbeRound
 
     def spread(rounds):
         return prof.model_copy(update={"probe_rounds": rounds}).pass_spread()
@@ -205,7 +241,7 @@ def test_a_schema_9_profile_is_refused_and_older_ones_load_without_the_step_lane
     data["schema_version"] = 8
     (tmp_path / "v8.json").write_text(json.dumps(data))
     assert load_model_profile(tmp_path / "v8.json").step_lane is None
-    data["schema_version"] = 9  # the schema of a probe that was taken out (docs/experiments.md, section 29)
+    data["schema_version"] = 9  # the schema of a lane probe since removed
     (tmp_path / "v9.json").write_text(json.dumps(data))
     with pytest.raises(DostuneError, match="9"):
         load_model_profile(tmp_path / "v9.json")

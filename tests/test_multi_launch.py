@@ -84,7 +84,7 @@ def test_model_profile_under_the_launcher_is_one_file_with_deepspeeds_partitions
                            "multi_helpers:odd_factory", "--micro-batch", "2", "--seq", "8", "--iters", "2",
                            "--sub-group-size", str(sgs), "--name", "cpu", cwd=tmp_path))
     files = sorted(tmp_path.rglob("*.json"))
-    assert len(files) == 1 and files[0].parent.relative_to(tmp_path).as_posix() == "runs/profiles" and \
+    assert len(files) == 1 and files[0].parent.relative_to(tmp_path).as_posix() == "profiles" and \
         files[0].name.endswith("-b2-s8-1x2.json"), out[-3000:]
     assert out.count("model profile written to") == 1
     prof = load_model_profile(files[0])

@@ -147,9 +147,10 @@ def test_the_node_profile_measures_cpu_adam_in_n_processes_at_once_on_a_cpu(tmp_
     assert all(pt.threads == max(1, p.host.logical_cores // 2) for pt in series.points)
 
 
-def test_schema_1_profiles_still_load_and_new_ones_are_schema_5():
-    # 3: the pageable device-to-host copies (the performance model's backward); 4: host-to-device copies under CPU Adam; 5: steal
-    assert NODE_SCHEMA_VERSION == 5
+def test_schema_1_profiles_still_load_and_new_ones_are_schema_6():
+    # 3: the pageable device-to-host copies (the performance model's backward); 4: host-to-device copies under CPU Adam;
+    # 5: steal; 6: the mode that measured it
+    assert NODE_SCHEMA_VERSION == 6
     p = load_node_profile(shipped_profile())
     assert p.schema_version == 1 and p.multi_gpu is None and p.cpu_adam.concurrent == {} and p.host.gpus is None
     m = load_model_profile(MODEL_PROFILE)

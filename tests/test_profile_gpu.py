@@ -17,7 +17,8 @@ def test_pageable_device_to_host_copies_are_measured():
 def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     from dostune.perfmodel.coefficients import Coefficients
     from dostune.perfmodel.inputs import ModelInputs, NodeInputs
-    from dostune.profile.model import ModelProfileOptions, measure_model
+    from dostune.profile.identity import gpu_info, node_name
+    from dostune.profile.model import MODEL_EFFORT, ModelProfileOptions, measure_model
     from dostune.profile.paths import shipped_profile
     from dostune.profile.record import load_node_profile
 
@@ -26,6 +27,8 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
                                              probe_seconds=1.0),
                          command="pytest")
     assert prof.device == "cuda" and prof.offload_pin_memory is True
+    # the standard mode's counts, and the node named as the node profile names it by default
+    assert prof.mode == "standard" and prof.node == node_name(gpu_info(0))
     assert prof.backward_no_copy_s.median > 0
     # dropping the copies leaves less to do than ZeRO-Offload's backward with them
     assert prof.backward_no_copy_s.median < 1.5 * prof.phases["bwd"].time_s.median
@@ -41,7 +44,8 @@ def test_model_profile_measures_backward_alone_and_beside_the_lane_on_the_gpu():
     # schema 10: the step's lane from memory, alone and beside copies both ways that really streamed
     step = prof.step_lane
     assert step is not None and step.subgroups >= 2 and step.elements == 1_000_000
-    assert step.alone_s.n == step.subgroups * 20 and step.beside_copies_s.n >= 20
+    rounds_of_step_lane = MODEL_EFFORT["standard"].step_lane_rounds
+    assert step.alone_s.n == step.subgroups * rounds_of_step_lane and step.beside_copies_s.n >= rounds_of_step_lane
     assert step.h2d_gbps > 1 and step.d2h_gbps > 1 and step.copies_slowdown > 0.5
     assert prof.ds_cpu_adam is not None and len(prof.ds_cpu_adam.points) == len(prof.subgroups)
     assert prof.step_parts_s["_partition_all_parameters"] > 0
@@ -76,3 +80,22 @@ def test_queued_copies_stream_both_ways_and_the_contention_probe_reads_them():
         assert len(ends) * chunk / ends[-1] > 1e9  # slower than 1 GB/s is a broken measurement
     c = measure_contention(1_000_000, 2, repeats=2, chunk_bytes=chunk)
     assert c.with_dma_s.n == 2 and c.dma_gbps_during > 1 and c.gpus == 1
+
+
+def test_tune_takes_this_nodes_profile_from_profiles_by_default(tmp_path, monkeypatch):
+    """On a GPU machine `dostune tune` without --profile reads profiles/NODE.json, the file `dostune profile` writes
+    there by default, and says which; before it exists, one line says how to make it."""
+    from typer.testing import CliRunner
+
+    from dostune.cli.app import app
+    from dostune.profile.identity import gpu_info, node_name
+
+    monkeypatch.chdir(tmp_path)
+    tune = ["tune", "--model", "gpt2-1.3b", "--trials", "2", "--output-dir", "tuned"]
+    r = CliRunner().invoke(app, tune)
+    assert r.exit_code == 2 and "dostune profile" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(app, ["profile", "--quick"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, tune)
+    assert r.exit_code == 0, r.output
+    assert f"node profile: profiles/{node_name(gpu_info(0))}.json" in " ".join(r.output.split())

@@ -49,6 +49,35 @@ def test_upper_middle_is_a_measured_sample():
         upper_middle([])
 
 
+def test_the_modes_repeats_and_the_record_says_which_measured_it(tiny_profile):
+    # --thorough: the repeats of every node profile measured before the modes; the default takes fewer
+    assert (NodeProfileOptions().mode, NodeProfileOptions().repeats) == ("standard", 3)
+    assert (NodeProfileOptions.thorough().mode, NodeProfileOptions.thorough().repeats) == ("thorough", 5)
+    assert tiny_profile.mode == "quick" and tiny_profile.repeats == 2
+
+
+def test_profile_goes_to_profiles_where_tune_looks_for_it(tmp_path, monkeypatch):
+    """`dostune profile` writes profiles/NODE.json in the current folder, and the node profile `dostune tune` takes
+    by default (on a GPU machine) is that file; until it exists, a one-line error says how to make it."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from dostune.cli.app import app
+    from dostune.profile.paths import measured_node_profile
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError, match="`dostune profile` writes this node's profile there") as e:
+        measured_node_profile()
+    assert "dostune profile" in e.value.hint
+    r = CliRunner().invoke(app, ["profile", "--quick"])
+    assert r.exit_code == 0, r.output
+    written = tmp_path / "profiles" / f"cpu-{os.cpu_count()}c.json"
+    assert load_node_profile(written).name == written.stem and measured_node_profile().resolve() == written
+    r = CliRunner().invoke(app, ["profile", "--quick", "--thorough"])
+    assert r.exit_code == 2 and "contradict" in r.output
+
+
 def test_cpu_measurements_on_tiny_sizes(tiny_profile):
     p = tiny_profile
     assert p.schema_version == NODE_SCHEMA_VERSION

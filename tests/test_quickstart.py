@@ -34,7 +34,7 @@ def test_cpu_quick_start_profiles_tunes_refits_and_trains(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "Traceback" not in out
     runs = work / "runs"
-    assert (runs / "profiles" / "this-node.json").exists()
+    assert (work / "profiles" / "this-node.json").exists() and not (runs / "profiles").exists()
     assert (runs / "tune" / "gpt2-1.3b" / "ds_config.json").exists()
     assert (runs / "tune" / "cpu_demo_config.json").exists()
     assert (runs / "ckpt-demo" / "step3").is_dir()

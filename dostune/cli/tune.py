@@ -127,8 +127,9 @@ def render_validation(res: TuneResult) -> Table:
 @handle_errors
 def tune(
     model: str = typer.Option("gpt2-1.3b", help="Model preset or package.module:factory."),
-    profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Without a GPU and without "
-                                           "this, the shipped H100 profile is used."),
+    profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Default: profiles/NODE.json, "
+                                           "where `dostune profile` writes this node's; without a GPU, the shipped "
+                                           "H100 profile."),
     model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
                                                  "NODE-MODEL-bB-sS.json (NODE-MODEL-bB-sS-MxN.json for M nodes of N "
                                                  "GPUs) beside the node profile, if any."),
@@ -202,7 +203,8 @@ def tune(
     records it ("dostune_world"); run it unchanged with `deepspeed --num_gpus N` (and the hostfile for M nodes).
     Launched in another world, `dostune train` stops before building the engine (docs/multi-gpu.md).
 
-    Example: dostune tune --profile runs/profiles/mynode.json --model gpt2-1.3b --trials 50
+    Example: dostune tune --model gpt2-1.3b --trials 50  (after `dostune profile` and `dostune profile --model
+    gpt2-1.3b` in this folder)
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget,

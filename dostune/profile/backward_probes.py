@@ -72,8 +72,8 @@ LANE_THREAD_UPDATES = 50
 # an H100 host (16 vCPUs, 15 lane threads) the median of one burst of five came out 1.8x its usual 2.2-2.6 ms or more
 # in 44 of 964 tries, after a torch operation, a GPU backward, a page-locked allocation or a pause (none of the 138
 # taken right after another burst), 32 of them at 9.0 ms, and in 21 of 294 bursts after a pause, whose slow updates came
-# in stretches of up to 12 in a row. A model profile that reads its lane that slow sends the lane's work in backward to
-# the step (docs/experiments.md, sections 19 and 42). Five bursts pooled read that slow in 1 of 58. The pause keeps
+# in stretches of up to 12 in a row. A model profile that reads its lane that slow makes the tuner send the lane's work
+# in backward to the step. Five bursts pooled read that slow in 1 of 58. The pause keeps
 # each burst's start as a single burst's was (the first updates after an idle spell run slower), so the usual reading
 # stays what the model was validated with.
 LANE_ALONE_BURSTS = 5
@@ -132,8 +132,8 @@ class LaneLoad:
     def alone_in_thread(self, updates: int) -> Stat:
         """``updates`` updates with nothing else running, timed in the worker thread under the lane's GIL switch
         interval while this thread waits (after one untimed): the lane's own conditions, against ``alone``'s main
-        thread. Both are recorded until an A/B against training's traces picks one (docs/experiments.md, section
-        19)."""
+        thread. Both are recorded, so that a comparison with training's traces can pick one; the model reads
+        ``alone``'s, the reading it was validated with."""
         self.spans.clear()
         self._limit = updates + 1
         try:
@@ -209,8 +209,8 @@ def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, floa
                             seconds: float = 0.0) -> BackwardProbes:
     """``backward()``: one forward and backward of the engine whose optimizer is ``opt``, returning (forward's
     seconds, start, end of the backward on the host clock), synchronised. Rounds of the probes run back to back for
-    ``seconds`` (at least ``repeats`` rounds): a host's speed wanders in stretches of seconds (docs/experiments.md,
-    sections 25 and 67), so a few rounds in a row read one stretch, and rounds over a minute the host's usual speed.
+    ``seconds`` (at least ``repeats`` rounds): a host's speed wanders in stretches of seconds, so a few rounds in a
+    row read one stretch, and rounds spread over a span the host's usual speed.
     ``gather``: every rank's share of a round (QuietRuns), and every rank's count of rounds."""
     progress = progress or NullProgress()
     pinned = torch.cuda.is_available()
@@ -241,8 +241,8 @@ def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, floa
         try:
             lane = LaneLoad(lane_elements, lane_threads(), half)
         except (DostuneError, OSError) as e:
-            notes.append(f"backward beside the CPU lane not measured ({str(e).splitlines()[0]}): the performance model "
-                         "uses its documented fallbacks")
+            notes.append(f"backward beside the CPU lane not measured ({str(e).splitlines()[0]}): the tuner predicts "
+                         "the lane from stand-in figures; fix that and profile again to measure it")
             lane = None
         lane_alone = lane.alone(repeats) if lane is not None else None
         lane_alone_thread = lane.alone_in_thread(LANE_THREAD_UPDATES) if lane is not None else None
@@ -288,7 +288,8 @@ def measure_backward_probes(opt, backward: Callable[[], tuple[float, float, floa
                                        backward_s=Stat.of([b - a for _, a, b in runs]))
         beside = lane.within(windows) if lane is not None else []
         if lane is not None and not beside:
-            notes.append("backward beside the CPU lane: no lane update ran during backward; not recorded")
+            notes.append("backward beside the CPU lane not recorded: backward ended before one CPU-lane update did (a "
+                         "model this small); the tuner predicts the lane from stand-in figures")
         return BackwardProbes(
             no_copy=Stat.of([b - a for _, a, b in alone]), forward=Stat.of([f for f, _, _ in alone]),
             lane=BackwardLaneProfile(

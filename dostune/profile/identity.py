@@ -88,6 +88,18 @@ def host_info() -> HostInfo:
     )
 
 
+def node_name(gpu: Optional[GpuInfo]) -> str:
+    """The name a node's profiles take when none is given: the GPU's short name and PCIe generation (h100-pcie5), or
+    cpu-<cores>c on a machine without a GPU. The node profile, the model profiles measured on the node and the default
+    node profile `dostune tune` looks for all take it."""
+    if gpu is None:
+        return f"cpu-{os.cpu_count()}c"
+    short = gpu.name.replace("NVIDIA ", "").split()[0].lower()
+    if gpu.pcie is not None:
+        return f"{short}-pcie{gpu.pcie.max_generation}"
+    return short
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 

@@ -32,32 +32,49 @@ from ..stats import Stat
 from . import identity
 from .backward_probes import measure_backward_probes
 from .step_lane import measure_step_lane
-from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelProfile, PcieTraffic, PhaseProfile, RankProfile,
-                           StepWindow, SubgroupProfile, WorldRecord, slowest_phases)
+from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelMode, ModelProfile, PcieTraffic, PhaseProfile,
+                           RankProfile, StepWindow, SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
 from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
 GiB = 2**30
-# Backward's host-bound passes run at a pace that wanders in stretches of seconds (docs/experiments.md, sections 25
-# and 67): rounds over a minute read the host's usual pace. Three minutes read one process's pace more closely (its
-# minutes' medians 12-16% apart, its three-minute spans' 4-7%; section 67) but predicted no better on the two shapes
-# tried (section 68), so a minute
-DEFAULT_PROBE_SECONDS = 60.0
-# the step-lane probe (step_lane.py): rounds of one pass alone and one beside copies, about 0.1 s each on the H100 hosts;
-# and its subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth modelling)
-STEP_LANE_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class ModelEffort:
+    """How much a mode measures: timed iterations in each of the step's two windows (and the least rounds of the
+    backward probes), the seconds the probes' rounds are spread over on a GPU, and rounds of the step-lane probe."""
+
+    iters: int
+    probe_seconds: float
+    step_lane_rounds: int
+
+
+# Backward's host-bound passes run at a pace that wanders in stretches of seconds, so the probes' rounds are spread
+# over a span of the host's time rather than run a few in a row, which would read one stretch. "thorough" (for
+# validation work) spreads them over a minute (three read one process's pace more closely but predicted no better)
+# with five iterations a window, the defaults before the modes existed. "standard" (the default) takes
+# every figure "thorough" takes, over a quarter of the span and with three iterations a window, for a first profile
+# in less time; scripts/profile-accuracy.sh measures what the longer one buys.
+MODEL_EFFORT = {"standard": ModelEffort(iters=3, probe_seconds=15.0, step_lane_rounds=10),
+                "thorough": ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)}
+# the step-lane probe's subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth
+# modelling)
 STEP_LANE_MIN_ELEMENTS = 1_000_000
 
 
 @dataclass
 class ModelProfileOptions:
+    """What to measure; the defaults are the standard mode's (``of_mode`` takes another's)."""
+
     model: str = "gpt2-1.3b"
     micro_batch: int = 8
     seq: int = 1024
     precision: str = "bf16"
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
     reduce_bucket_size: int = 50_000_000  # DeepSpeed's gradient bucket: grads become final bucket by bucket
-    iters: int = 5
+    mode: ModelMode = "standard"
+    iters: int = MODEL_EFFORT["standard"].iters
     warmup: int = 2
     seed: int = 0
     node: Optional[str] = None
@@ -65,11 +82,30 @@ class ModelProfileOptions:
     # the scratch subgroup the CPU-lane kernel updates beside backward (backward_probes.py); None: a 16th of the
     # model, between 64K and 10M elements (~3 ms per update on the H100 host)
     lane_elements: Optional[int] = None
-    # the seconds the backward probes' rounds are spread over (backward_probes.py); None: DEFAULT_PROBE_SECONDS on a
-    # GPU, 0 (``iters`` rounds in a row) on a CPU machine, whose profile tunes nothing real
+    # the seconds the backward probes' rounds are spread over (backward_probes.py); None: the mode's on a GPU, 0
+    # (``iters`` rounds in a row) on a CPU machine, whose profile tunes nothing real
     probe_seconds: Optional[float] = None
+    step_lane_rounds: int = MODEL_EFFORT["standard"].step_lane_rounds
+
+    @classmethod
+    def of_mode(cls, mode: str, **given) -> "ModelProfileOptions":
+        """``mode``'s counts, but for those ``given`` (None: the mode's)."""
+        if mode not in MODEL_EFFORT:
+            raise DostuneError(f"unknown model profile mode {mode!r}: " + " or ".join(MODEL_EFFORT))
+        effort = MODEL_EFFORT[mode]
+        given = {k: v for k, v in given.items() if v is not None}
+        return cls(**({"mode": mode, "iters": effort.iters, "step_lane_rounds": effort.step_lane_rounds} | given))
+
+    def resolved_probe_seconds(self, cuda: bool) -> float:
+        if self.probe_seconds is not None:
+            return self.probe_seconds
+        return MODEL_EFFORT[self.mode].probe_seconds if cuda else 0.0
 
     def validate(self) -> None:
+        if self.mode not in MODEL_EFFORT:
+            raise DostuneError(f"unknown model profile mode {self.mode!r}: " + " or ".join(MODEL_EFFORT))
+        if self.step_lane_rounds < 1:
+            raise DostuneError(f"step_lane_rounds must be positive, got {self.step_lane_rounds}")
         if self.iters < 1 or self.warmup < 0 or self.micro_batch < 1 or self.seq < 1 or self.sub_group_size < 1:
             raise DostuneError("--iters, --micro-batch, --seq and --sub-group-size must be positive, --warmup >= 0")
         if self.probe_seconds is not None and not self.probe_seconds >= 0:
@@ -329,8 +365,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         # the lane's gradients and results in the training's half precision (bf16 for an fp32 profile: the probe is
         # about how the two slow each other, which the dtype barely changes)
         half = torch.float16 if opts.precision == "fp16" else torch.bfloat16
-        probe_seconds = opts.probe_seconds if opts.probe_seconds is not None else (
-            DEFAULT_PROBE_SECONDS if cuda else 0.0)
+        probe_seconds = opts.resolved_probe_seconds(cuda)
         probes = measure_backward_probes(opt, backward_pass, opts.iters, lane_elements, half, progress,
                                          gather=gather_ranks, seconds=probe_seconds)
         notes += probes.notes
@@ -370,10 +405,11 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     if cuda and probes.lane is not None:  # the lane's kernel built: measure it as the step runs it (step_lane.py)
         try:
             step_lane = measure_step_lane(max(lane_elements, STEP_LANE_MIN_ELEMENTS), torch.get_num_threads(), half,
-                                          STEP_LANE_ROUNDS, torch.cuda.current_device(), progress)
+                                          opts.step_lane_rounds, torch.cuda.current_device(), progress)
         except (DostuneError, OSError, RuntimeError) as e:
-            notes.append(f"the CPU lane beside the step's copies not measured ({str(e).splitlines()[0]}): the performance "
-                         "model takes the step's lane from the backward probes' reading")
+            notes.append(f"the CPU lane beside the step's copies not measured ({str(e).splitlines()[0]}): the tuner "
+                         "takes the step's lane from the backward probes' reading; fix that and profile again to "
+                         "measure it")
     gpu_total = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
     phases = {}
     for ph in times:
@@ -383,7 +419,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                                   min_allocated_gib=round(min(s.allocated_gib for s in in_phase), 3),
                                   peak_reserved_gib=round(peaks_res[ph] if cuda else peak, 3),
                                   free_gib=round(gpu_total - peak, 3) if gpu_total else None)
-    node = opts.node or (identity.gpu_info(0).name if cuda else f"cpu-{os.cpu_count()}c")
+    node = opts.node or identity.node_name(identity.gpu_info(0) if cuda else None)
     overhead_s = Stat.of(overheads).median
     note = steal_note(timed_runs.share, "ZeRO-Offload's iterations were timed")
     for aside, what in ((timed_runs.set_aside(), ("timed iteration", "timed iterations")),
@@ -404,7 +440,8 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     return ModelProfile(
         schema_version=MODEL_SCHEMA_VERSION,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        command=command or invocation(), dostune_version=__version__, node=node, device="cuda" if cuda else "cpu",
+        command=command or invocation(), dostune_version=__version__, mode=opts.mode, node=node,
+        device="cuda" if cuda else "cpu",
         gpu_total_gib=round(gpu_total, 3) if gpu_total else None, model=opts.model, architecture=spec.config,
         params=spec.num_params or numel, micro_batch=opts.micro_batch, seq=opts.seq, precision=opts.precision,
         sub_group_size=opts.sub_group_size, iterations=opts.iters, subgroups=subgroups,

@@ -29,15 +29,20 @@ from .record import Series
 # 8: probe_seconds, probe_forward_s, probe_rounds (the backward probes spread over a span of seconds, the forward
 # before each timed, and every round's readings). Older profiles load with none: the model takes forward from the
 # timed iterations then.
-# 9: taken by a lane probe that read its scratch from memory beside backward, removed (docs/experiments.md, section
-# 29); such profiles are not read.
+# 9: taken by a lane probe, since removed, that read its scratch from memory beside backward; such profiles are not
+# read.
 # 10: step_lane (the CPU lane as the step runs it: from memory, alone and beside page-locked copies both ways; on a
 # GPU). Older profiles load with none: the model takes the step's lane from the backward probes' reading then.
 # 11: later_window (ZeRO-Offload's step timed again after the backward probes, a second draw of the host's speed).
 # Older profiles load with none: the model takes the step from the first timed iterations alone then.
-MODEL_SCHEMA_VERSION = 11
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11)
+# 12: mode (standard or thorough: the counts the profile started from; ``iterations`` and ``probe_seconds`` say what
+# it took). Older profiles load with none.
+MODEL_SCHEMA_VERSION = 12
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12)
 MODEL_KIND = "dostune.model-profile"
+# How much a model profile measured: "standard" (`dostune profile --model`) or "thorough" (--thorough, for validation
+# work: more iterations, the backward probes over a minute)
+ModelMode = Literal["standard", "thorough"]
 PHASES = ("fwd", "bwd", "step")
 
 
@@ -83,8 +88,8 @@ class BackwardLaneProfile(Record):
     threads: int = Field(ge=1)  # the lane's OpenMP threads (the CPU lane's default during backward)
     elements: int = Field(gt=0)  # one update of the scratch subgroup
     lane_alone_s: Stat  # one update, nothing else running (in bursts: profile/backward_probes.LaneLoad.alone)
-    # v7: the same, timed in the worker thread under the lane's GIL switch interval while the main thread waits (not
-    # read by the model: docs/experiments.md, section 19)
+    # v7: the same, timed in the worker thread under the lane's GIL switch interval while the main thread waits
+    # (recorded beside lane_alone_s for comparison; the model reads lane_alone_s, the reading it was validated with)
     lane_alone_thread_s: Optional[Stat] = None
     lane_beside_s: Stat  # one update that started and ended while backward ran
     backward_s: Stat  # backward while the lane worked throughout
@@ -142,11 +147,10 @@ class ProbeRound(Record):
 
 
 class StepWindow(Record):
-    """ZeRO-Offload's step timed again in later iterations of the same engine, after the backward probes (a minute or
-    more after the first timed iterations on a GPU): a second draw of the host's speed. The step spread 13% over four
-    processes within nine minutes and moved as much within one (docs/experiments.md, sections 35 and 36), and both
-    methods' predicted steps lean on it (the measured step, CPU Adam's in-situ rate, the step overhead); the model
-    takes the mean of the two draws."""
+    """ZeRO-Offload's step timed again in later iterations of the same engine, after the backward probes: a second
+    draw of the host's speed. The step's speed moves with the host's over minutes, within one process as much as
+    between processes, and both methods' predicted steps lean on it (the measured step, CPU Adam's in-situ rate, the
+    step overhead); the model takes the mean of the two draws."""
 
     after_s: float = Field(ge=0)  # seconds from the end of the first timed iterations to this window's first
     step_s: Stat  # the kept iterations' steps
@@ -178,6 +182,7 @@ class ModelProfile(Record):
     created: str
     command: str
     dostune_version: str
+    mode: Optional[ModelMode] = None  # v12 (None: measured before profiles recorded a mode)
     node: str
     device: str
     gpu_total_gib: Optional[float]
@@ -227,8 +232,8 @@ class ModelProfile(Record):
     set_aside: Optional[SetAside] = None
     probes_set_aside: Optional[SetAside] = None
     # v8. The seconds the probes' rounds were spread over (0: ``iterations`` rounds in a row), the forward before each
-    # backward without copies over those rounds (the model's forward: the timed iterations read one stretch of the
-    # host's speed, docs/experiments.md, section 25), and every kept round's readings
+    # backward without copies over those rounds (the model's forward: the timed iterations, a few in a row, read one
+    # stretch of the host's speed), and every kept round's readings
     probe_seconds: Optional[float] = None
     probe_forward_s: Optional[Stat] = None
     probe_rounds: list[ProbeRound] = Field(default_factory=list)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,7 +12,7 @@ from ..host_steal import StealMeter, steal_note
 from ..invocation import invocation
 from . import identity
 from .copies import measure_copies
-from .record import NODE_SCHEMA_VERSION, MultiGpuProfile, NodeProfile
+from .record import NODE_SCHEMA_VERSION, MultiGpuProfile, NodeMode, NodeProfile
 from .throughput import (default_thread_counts, measure_contention, measure_convert, measure_cpu_adam, measure_ds_upload,
                          measure_gpu_adam, measure_unscale)
 from .timing import NullProgress, ProgressSink
@@ -23,15 +22,22 @@ MiB = 1 << 20
 M = 1_000_000
 
 
+# Timed repeats of each measurement, by mode: "standard" (the default) keeps every figure the tuner reads, each the
+# median of three; "thorough" (for validation work) takes five, the default before the modes existed.
+NODE_REPEATS = {"standard": 3, "thorough": 5}
+
+
 @dataclass
 class NodeProfileOptions:
-    """What to measure. The defaults take one to two minutes on a GPU node."""
+    """What to measure. The defaults are the standard mode's, what `dostune profile` measures; ``thorough()`` takes
+    more repeats, ``tiny()`` seconds on any machine."""
 
     name: Optional[str] = None
-    repeats: int = 5
+    mode: NodeMode = "standard"
+    repeats: int = NODE_REPEATS["standard"]
     device: int = 0
     copy_sizes_bytes: list[int] = field(default_factory=lambda: [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB])
-    cpu_adam_elements: Optional[list[int]] = None  # default depends on GPU/no GPU, see resolved()
+    cpu_adam_elements: Optional[list[int]] = None  # default depends on GPU/no GPU, see measure_node
     cpu_adam_threads: Optional[list[int]] = None
     gpu_adam_elements: list[int] = field(default_factory=lambda: [4 * M, 16 * M, 64 * M, 256 * M])
     convert_elements: list[int] = field(default_factory=lambda: [4 * M, 16 * M, 64 * M, 256 * M])
@@ -42,14 +48,21 @@ class NodeProfileOptions:
     ranks_per_node: Optional[int] = None
 
     @classmethod
+    def thorough(cls) -> "NodeProfileOptions":
+        """More repeats of every measurement: for validation work, where the profile's own spread should not count."""
+        return cls(mode="thorough", repeats=NODE_REPEATS["thorough"])
+
+    @classmethod
     def tiny(cls) -> "NodeProfileOptions":
-        """Seconds instead of minutes: for tests and smoke runs."""
-        return cls(repeats=2, copy_sizes_bytes=[1 * MiB, 4 * MiB], cpu_adam_elements=[100_000, 400_000],
+        """Seconds instead of minutes: for tests and smoke runs, not a profile to tune from."""
+        return cls(mode="quick", repeats=2, copy_sizes_bytes=[1 * MiB, 4 * MiB], cpu_adam_elements=[100_000, 400_000],
                    cpu_adam_threads=[1], gpu_adam_elements=[1 * M, 4 * M], convert_elements=[100_000, 400_000])
 
     def validate(self) -> None:
         from ..errors import DostuneError
 
+        if self.mode not in ("quick", "standard", "thorough"):
+            raise DostuneError(f"unknown profile mode {self.mode!r}: quick, standard or thorough")
         if self.repeats < 1:
             raise DostuneError(f"--repeats must be at least 1, got {self.repeats}")
         for label, sizes in (("copy sizes", self.copy_sizes_bytes), ("GPU Adam sizes", self.gpu_adam_elements),
@@ -61,15 +74,6 @@ class NodeProfileOptions:
             raise DostuneError(f"--ranks-per-node must be at least 1, got {self.ranks_per_node}")
         if self.half_dtype not in ("bf16", "fp16"):
             raise DostuneError(f"--dtype must be bf16 or fp16, got {self.half_dtype!r}")
-
-
-def default_name(gpu) -> str:
-    if gpu is None:
-        return f"cpu-{os.cpu_count()}c"
-    short = gpu.name.replace("NVIDIA ", "").split()[0].lower()
-    if gpu.pcie is not None:
-        return f"{short}-pcie{gpu.pcie.max_generation}"
-    return short
 
 
 def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = None,
@@ -92,10 +96,12 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
     together = list(range(ranks)) if has_gpu and ranks > 1 else []
     gpu = identity.gpu_info(opts.device) if has_gpu else None
     if not has_gpu:
-        notes.append(f"GPU measurements not available: {identity.no_gpu_reason()}. "
-                     "Only the CPU side (CPU Adam, CPU conversion) was measured.")
+        notes.append(f"GPU measurements not available: {identity.no_gpu_reason()}. Only the CPU side (CPU Adam, "
+                     "conversions) was measured; `dostune tune` needs GPU and PCIe figures, so profile the GPU "
+                     "machine you will train on (without a GPU, tune uses the shipped H100 profile)")
     elif gpu.pcie is None:
-        notes.append("NVML did not report the PCIe link (no NVML library or unsupported query).")
+        notes.append("NVML did not report the PCIe link (no NVML library, or the driver does not answer the query): "
+                     "the copies were measured all the same; the default name leaves out the PCIe generation")
     cores = host.logical_cores
     threads = opts.cpu_adam_threads or default_thread_counts(cores)
     cpu_sizes = opts.cpu_adam_elements or ([8 * M, 32 * M, 128 * M] if has_gpu else [4 * M, 16 * M, 64 * M])
@@ -133,7 +139,8 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
         notes.append(note)
     return NodeProfile(
         schema_version=NODE_SCHEMA_VERSION,
-        name=opts.name or default_name(gpu),
+        name=opts.name or identity.node_name(gpu),
+        mode=opts.mode,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         command=command or invocation(),
         dostune_version=__version__,

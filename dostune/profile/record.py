@@ -19,11 +19,14 @@ from ..records import Record, load_record
 from ..stats import Stat, linear_fit
 
 # 2: host.available_gib and host.gpus, cpu_adam.concurrent, contention.gpus, multi_gpu (docs/profile-schema.md).
-# 3: copies.d2h_pageable. 4: contention.h2d_under_cpu. 5: steal. Older profiles still load: the new fields take their
-# defaults (the performance model says what it uses instead).
-NODE_SCHEMA_VERSION = 5
-NODE_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 3: copies.d2h_pageable. 4: contention.h2d_under_cpu. 5: steal. 6: mode. Older profiles still load: the new fields take
+# their defaults (the performance model says what it uses instead).
+NODE_SCHEMA_VERSION = 6
+NODE_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 NODE_KIND = "dostune.node-profile"
+# How much a node profile measured: "standard" (`dostune profile`), "thorough" (--thorough: more repeats, for validation
+# work) or "quick" (--quick: tiny sizes, a smoke test that tunes nothing real)
+NodeMode = Literal["quick", "standard", "thorough"]
 
 
 class LinearCost(Record):
@@ -187,6 +190,8 @@ class NodeProfile(Record):
     created: str
     command: str
     dostune_version: str
+    # v6: the mode whose repeats and sizes it started from (None: measured before profiles recorded a mode)
+    mode: Optional[NodeMode] = None
     repeats: int
     host: HostInfo
     gpu: Optional[GpuInfo]

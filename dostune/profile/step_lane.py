@@ -5,9 +5,9 @@ while the GPU lane streams its states in and out over PCIe, page-locked. The bac
 updates one 10M-element scratch subgroup over and over, which stays in the last-level cache where it fits; the node
 profile's contention is DeepSpeed's CPU Adam beside copies. Neither is the step's lane: on the H100 hosts the lane
 read 1.16-1.36x slower taking four scratch subgroups in turn than one over and over, and in training it ran at about
-the same rate whatever the cached probe read (docs/experiments.md, sections 27 and 29). This probe reads the lane in
-the step's conditions: the step's threads, scratch subgroups taken in turn whose inputs together are at least twice
-the last-level cache, alone and beside both copy directions (docs/performance-model.md, "Inputs").
+the same rate whatever the cached probe read. This probe reads the lane in the step's conditions: the step's threads,
+scratch subgroups taken in turn whose inputs together are at least twice the last-level cache, alone and beside both
+copy directions (docs/performance-model.md, "Inputs").
 """
 from __future__ import annotations
 

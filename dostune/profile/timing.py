@@ -74,7 +74,7 @@ def iteration_phases(engine, batch: dict, sync: Callable[[], None] = sync_device
     Returns (loss, forward s, backward s, step s; 0 without ``step``), each phase on the host clock with ``sync()``
     (sync_device: the device's) at its ends, so a phase's queued device work counts in it. ``around(name, fn)``
     runs each phase: a caller's hook around it ("fwd", "bwd", "step"), such as bench's peak memory per phase. The
-    training loop, the bench, host_epochs and the model profile's backward probes time their passes with it."""
+    training loop, the bench and the model profile's backward probes time their passes with it."""
     from ..models.registry import loss_of
 
     sync()

@@ -25,7 +25,7 @@ from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import WORLD_KEY, World, rank_inputs
 from ..profile.identity import cuda_available
 from ..profile.model_record import PROBE_PASSES, ModelProfile, load_model_profile
-from ..profile.paths import shipped_profile
+from ..profile.paths import measured_node_profile, shipped_profile
 from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
@@ -82,8 +82,7 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
         opts.notes.append("no --profile given and this machine has no GPU: tuned from the shipped H100 profile; to "
                           "tune for your GPU machine, run `dostune profile` there and pass --profile")
     else:
-        raise DostuneError("no --profile given", hint="measure this node first: dostune profile --output node.json, "
-                           "then dostune tune --profile node.json")
+        node_path = measured_node_profile()
     opts.details.append(f"node profile: {node_path}")
     node = load_node_profile(node_path)
     world = opts.world()
