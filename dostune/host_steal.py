@@ -3,7 +3,7 @@
 On a virtual machine the host runs other guests on the same cores, and the time it takes from this one is counted
 as steal. While it does, parallel CPU work runs slower than the share taken: CPU Adam over 16 threads waits at every
 barrier for the thread that lost its core. On an H100 cloud machine, a memory-bound 16-thread loop ran about 25% longer
-in seconds with 4-6% steal than in seconds with 1% (docs/experiments.md, section 16). The profiles and bench
+in seconds with 4-6% steal than in seconds with 1% (docs/findings.md, finding 21). The profiles and bench
 record the share over their timed work, so that a prediction that misses can be read against the host it ran on,
 and set aside a timed iteration the hypervisor took from (QuietRuns): another runs in its place, so that a profile and
 the runs checked against it both measure the machine, not its neighbours.

@@ -4,10 +4,10 @@ parameters as one unit instead of submodule by submodule and parameter by parame
 Why: ZeRO-3 hooks every submodule (a fetch before it runs, a release after) and every parameter (its gradient's
 reduction), in Python on the thread that runs forward and backward. On one H100 those hooks, not the GPU, set the
 pace of forward and backward for models of about 1B parameters, and their pace wanders with the host's
-(docs/experiments.md, section 48). With each block a leaf (``deepspeed.utils.set_z3_leaf_modules``), gpt2_1_16b's
+(docs/findings.md, finding 15). With each block a leaf (``deepspeed.utils.set_z3_leaf_modules``), gpt2_1_16b's
 coordinator made 1,008-1,176 fetches per bench process instead of 7,920-8,360; dostune's iteration went from
 0.415-0.438 s to 0.343-0.354 s on its tuned schedule and ZeRO-Offload's from 1.380-1.441 s to 1.251-1.323 s, with the
-same peak GPU memory (section 49). The updates are the same (bit for bit on one rank, tests/test_leaf_blocks.py): a
+same peak GPU memory. The updates are the same (bit for bit on one rank, tests/test_leaf_blocks.py): a
 block's gradients reach the same places of the same flat partitions, only together, in forward order, when its
 backward ends; a model profile records when each subgroup's gradients are final as this engine makes them.
 

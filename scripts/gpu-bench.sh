@@ -22,8 +22,6 @@
 #                       spaces) go to both commands: flags they share, e.g. --micro-batch+16+--activation-checkpointing.
 #                       VALIDATE_ARGS: flags for tune alone, e.g. "--validate-iters 2" (each method runs
 #                       --validate-rounds 2 rounds in reversed order by default)
-#   report              every validated model against the bounds (median error of iteration <= 10%, of the step <= 20%,
-#                       for dostune and ZeRO-Offload) -> $OUT/validation-report.md; fails when one misses
 # Example, the whole flow for gpt2-1.3b, every method measured twice in reverse order (drift-cancelling):
 #   bash scripts/gpu-bench.sh env profile model:gpt2-1.3b tune:gpt2-1.3b bench:gpt2-1.3b:--rounds+2
 # Several GPUs of one node (docs/multi-gpu.md): GPUS=N runs model:, bench: and train: under DeepSpeed's launcher
@@ -33,7 +31,7 @@
 # The performance model on four models of both families, 0.7B-7B, each profiled, tuned and validated on this node
 # (docs/performance-model.md, "Validating"):
 #   bash scripts/gpu-bench.sh env profile validate:gpt2-760m validate:llama-1.1b validate:gpt2-2.7b \
-#     validate:llama-7b:--micro-batch+16+--activation-checkpointing report
+#     validate:llama-7b:--micro-batch+16+--activation-checkpointing
 # MODEL in model:, tune:, bench:, train: and validate: is a preset, hf=PATH (a Hugging Face config file) or
 # py=MODULE.FACTORY (your own factory: --model MODULE:FACTORY); the files are named by the preset, the config's file
 # name without .json, or FACTORY (the NAME above).
@@ -134,16 +132,13 @@ for step in "$@"; do
           2>&1 | tee "$dir/tune.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       fi ;;
-    report)
-      python -m tools.validation_report "$OUT"/validate-*/tune.json --output "$OUT/validation-report.md" \
-        || rc=1 ;;
     check:*)
       model=${step#check:}
       dostune check --baseline "${BASELINE:-results/h100/bench-$model.json}" --ratio-only --max-regression 15% \
         --junit "$OUT/check-$model.xml"
       code=$?; echo "check exit code: $code"; [ $code -eq 0 ] || rc=1 ;;
     *) echo "unknown step $step (env, tests, profile, model:M, tune:M, bench:M[:ARGS], check:M, train:M, refusals:M," \
-         "validate:M[:ARGS], report)" >&2
+         "validate:M[:ARGS])" >&2
        rc=2 ;;
   esac
 done

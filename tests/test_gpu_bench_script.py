@@ -1,32 +1,11 @@
-"""scripts/gpu-bench.sh's validate:MODEL and report steps (the performance model's proof on a GPU machine), run here
-with a stand-in `dostune` that records its arguments: the commands each step runs, and the report over what the
-validations wrote."""
+"""scripts/gpu-bench.sh's steps, run here with a stand-in `dostune` that records its arguments: the commands each
+step runs."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from dostune.bench.record import MethodResult
-from dostune.profile.paths import shipped_profile
-from dostune.tune.search import TuneOptions, run_tune
-from dostune.tune.validate import validate
-
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _validated(tmp_path) -> Path:
-    res, _, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=3,
-                                     output_dir=tmp_path / "tuned"))
-
-    def measured(name, spec, opts, offload, progress):  # as predicted, 5% slower in every phase
-        p = res.ds_offload if name == "zero-offload" else res.top[0].predicted
-        return MethodResult(method=name, description="", iter_s=1.05 * p.iter_s, fwd_s=1.05 * p.fwd_s,
-                            bwd_s=1.05 * p.bwd_s, step_s=1.05 * p.step_s)
-
-    res.validation = validate(res, 1, seq=1024, rounds=1, runner=measured, host_available=120 * 2**30).rows
-    path = tmp_path / "validated-tune.json"
-    path.write_text(res.model_dump_json())
-    return path
 
 
 def _stubbed(tmp_path, then: str = ""):
@@ -45,19 +24,14 @@ def _stubbed(tmp_path, then: str = ""):
     return calls, out, env
 
 
-def test_validate_steps_profile_tune_and_report(tmp_path):
-    fixture = _validated(tmp_path)
-    calls, out, env = _stubbed(tmp_path, f"""if [ "$1" = tune ]; then
-  while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && cp {fixture} "$2/tune.json"; shift; done
-fi
-""")
-    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "report"]
+def test_validate_steps_profile_then_tune(tmp_path):
+    calls, out, env = _stubbed(tmp_path)
+    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "run the profile step first" in r.stderr  # no node profile yet: said, not run
     out.mkdir(exist_ok=True)
     (out / "node.json").write_text("{}")
-    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "validate:hf=tests/data/tiny-llama.json:--micro-batch+2",
-           "report"]
+    cmd = ["bash", "scripts/gpu-bench.sh", "validate:gpt2-tiny", "validate:hf=tests/data/tiny-llama.json:--micro-batch+2"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = calls.read_text().splitlines()
@@ -70,15 +44,13 @@ fi
     assert lines[2].startswith("profile --model hf:tests/data/tiny-llama.json ") and lines[2].endswith("--micro-batch 2")
     assert lines[3].startswith(f"tune --model hf:tests/data/tiny-llama.json --profile {out}/node.json "
                                f"--model-profile {h}/model-profile.json") and lines[3].endswith("--micro-batch 2")
-    report = (out / "validation-report.md").read_text()
-    assert report.count("| gpt2-1.3b |") == 4 and "| NO |" not in report  # two validations, two methods each
 
 
 def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
     """model:, tune:, bench: and train: take hf=PATH and py=MODULE.FACTORY as validate: does, and name their files by
     the config's or the factory's name."""
     calls, out, env = _stubbed(tmp_path)
-    shape = "py=tools.validation_shapes.gpt2_1_6b"
+    shape = "py=examples.custom_model.factory"
     cmd = ["bash", "scripts/gpu-bench.sh", "model:hf=tests/data/tiny-llama.json", f"tune:{shape}",
            f"bench:{shape}:--rounds+2", f"train:{shape}"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -86,9 +58,9 @@ def test_every_model_step_takes_a_factory_or_a_config_file(tmp_path):
     lines = calls.read_text().splitlines()
     assert lines[0] == (f"profile --model hf:tests/data/tiny-llama.json --micro-batch 8 --seq 1024 --name n1 "
                         f"--output {out}/model-tiny-llama.json --plot {out}/model-tiny-llama.png --force")
-    factory = "tools.validation_shapes:gpt2_1_6b"
-    assert lines[1] == (f"tune --model {factory} --profile {out}/node.json --model-profile {out}/model-gpt2_1_6b.json "
-                        f"--num-gpus 1 --output-dir {out}/tune-gpt2_1_6b --storage sqlite:///{out}/study-gpt2_1_6b.db")
-    assert lines[2] == f"bench --model {factory} --output {out}/bench-gpt2_1_6b.json --rounds 2"
-    assert lines[3] == (f"train --config {out}/tune-gpt2_1_6b/ds_config.json --model {factory} --steps 20 "
-                        f"--metrics {out}/train-gpt2_1_6b.jsonl")
+    factory = "examples.custom_model:factory"
+    assert lines[1] == (f"tune --model {factory} --profile {out}/node.json --model-profile {out}/model-factory.json "
+                        f"--num-gpus 1 --output-dir {out}/tune-factory --storage sqlite:///{out}/study-factory.db")
+    assert lines[2] == f"bench --model {factory} --output {out}/bench-factory.json --rounds 2"
+    assert lines[3] == (f"train --config {out}/tune-factory/ds_config.json --model {factory} --steps 20 "
+                        f"--metrics {out}/train-factory.jsonl")

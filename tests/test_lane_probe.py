@@ -12,7 +12,7 @@ def lane():
 
 
 def test_one_slow_burst_cannot_set_the_reading_alone(lane, monkeypatch):
-    """On the H100 hosts a whole burst of updates sometimes ran 3-4x slow (docs/experiments.md, section 42): with the
+    """On the H100 hosts a whole burst of updates sometimes ran 3-4x slow (docs/findings.md, finding 25): with the
     bursts pooled, one slow burst among fast ones leaves the median at the fast ones."""
     bursts = iter([[9e-3] * 5, [2e-3] * 5, [2e-3] * 5])
     timed = []

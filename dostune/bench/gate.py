@@ -31,7 +31,7 @@ the low quantile (``quantile``) of this tree's step CPU times over the pinned co
 pairs' ratios. Interference only adds time, so the low quantiles are the least disturbed steps. Engines of one process
 differ in speed by where their buffers landed; one low quantile over all of a worker's steps is decided by its fastest
 engine, so it compared whichever engine was fastest on each side, and read up to 1.064 on an unchanged tree where the
-pairs' mean read at most 1.039 (docs/experiments.md, section 28).
+pairs' mean read at most 1.039 (docs/findings.md, finding 32).
 """
 from __future__ import annotations
 
