@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! bash scripts/install.sh test; then
-  echo "tests: not run (the install failed) | cpu gate: not run (the install failed)" >&2
+  echo "tests: not run (the install failed) | cpu gate: not run (the install failed)"
   exit 1
 fi
 . .venv/bin/activate

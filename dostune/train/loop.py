@@ -100,7 +100,7 @@ def load_ds_config(path: Path) -> dict:
         raise ConfigError(f"{path} leaves {', '.join(auto[:4])}{' ...' if len(auto) > 4 else ''} as \"auto\" for the "
                           "Hugging Face Trainer or Accelerate to fill in; dostune train needs them concrete",
                           hint="use the config `dostune tune` writes without --for (or --for deepspeed), or run it "
-                               "from the Trainer / Accelerate (docs/hf.md)")
+                               "from the Trainer / Accelerate, which fill them in")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                          "gradient_accumulation_steps"))
