@@ -14,9 +14,10 @@ So the ops live in a folder private to the environment (``ops_dir``), built ahea
 build`` (scripts/install.sh runs it), and a run imports the built module directly, taking no lock. A stamp written
 after a build (``dostune-build.json``: a digest of the sources, flags and versions) says whether a build is
 current. Where a run still has to build, it says so on stderr, under a lock of dostune's own (``BuildLock``: an
-flock the kernel drops when its holder dies, so it cannot outlive a killed process); under it a torch lock file
-that no process holds open is what a stopped build left, and is removed with a one-line warning. Every wait on a
-live builder gives up after ``DOSTUNE_BUILD_WAIT`` seconds (default 600) with the builder's process id.
+flock the kernel drops when its holder dies, so it cannot outlive a killed process). Under it, once no process is
+still building in the op's folder (the compilers a killed build started run on), a torch lock file there is what a
+stopped build left, and is removed with a one-line warning. Every wait on a live builder gives up after
+``DOSTUNE_BUILD_WAIT`` seconds (default 600), naming the builder's process.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ STAMP = "dostune-build.json"
 
 # DeepSpeed's builders of the ops a run loads, with what a user reads for them. An accelerator without one of them
 # (the shared-memory all-reduce exists only on DeepSpeed's CPU accelerator) skips it.
-DEEPSPEED_OPS = {"CPUAdamBuilder": "DeepSpeed's CPU Adam", "ShareMemCommBuilder": "DeepSpeed's shared-memory all-reduce"}
+DEEPSPEED_OPS = {"CPUAdamBuilder": "DeepSpeed's CPU Adam",
+                 "ShareMemCommBuilder": "DeepSpeed's shared-memory all-reduce"}
 
 _in_process = threading.RLock()  # one build or load at a time in a process (flock is per open file, not per thread)
 
@@ -201,11 +203,11 @@ def _process_name(pid: int) -> str:
         return "?"
 
 
-def clear_stale_torch_lock(folder: Path, what: str) -> None:
+def clear_stale_torch_lock(folder: Path, what: str) -> bool:
     """Called under ``BuildLock``, before torch builds in ``folder``: wait for a process still building there (one
     outside dostune, or the compilers of a process that was killed), as long as ``wait_limit()``; then torch's lock
     file, if one is left, belongs to no one (torch's own wait on it would never end) and is removed, with a
-    warning."""
+    warning. Whether there was one."""
     deadline = None
     while True:
         live = builders_in(folder)
@@ -225,8 +227,9 @@ def clear_stale_torch_lock(folder: Path, what: str) -> None:
     try:
         lock.unlink()
     except FileNotFoundError:
-        return
-    note(f"warning: removed {lock}, left by a build of {what} that was stopped before it finished; building it again")
+        return False
+    note(f"warning: removed {lock}, left by a build of {what} that was stopped before it finished")
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed's ops
@@ -349,11 +352,12 @@ def _build_deepspeed_op(builder, key: str, title: str) -> tuple:
         path = _find_built(builder.name, key)  # built by the process this one waited for
         if path is not None:
             return _import_module(path), None, path
-        clear_stale_torch_lock(folder, what)
+        stopped = clear_stale_torch_lock(folder, what)
         stamp = _read_stamp(folder)
         (folder / STAMP).unlink(missing_ok=True)  # a half-rebuilt op must not pass for a built one
-        why = "DeepSpeed, torch or this CPU changed since it was built" if stamp else \
-            "first use in this Python environment"
+        why = ("its last build was stopped" if stopped else
+               "DeepSpeed, torch or this CPU changed since it was built" if stamp else
+               "first use in this Python environment")
         note(f"building {what} into {folder} ({why}); this takes a minute or two, once")
         start = time.monotonic()
         try:

@@ -221,7 +221,8 @@ def test_unknown_model_offers_the_user_presets_only(paths):
     """The CI-only shapes resolve by name (the suite and the gate use them) but are never offered."""
     from dostune.models.registry import CI_PRESETS, PRESETS, resolve_model
 
-    r = CliRunner().invoke(app, ["refit", "--config", paths["cfg26"], "--model", "gpt5-giant", "--output", paths["out"]])
+    r = CliRunner().invoke(app, ["refit", "--config", paths["cfg26"], "--model", "gpt5-giant",
+                                 "--output", paths["out"]])
     assert r.exit_code == 2
     assert all(name in r.output for name in PRESETS) and not any(name in r.output for name in CI_PRESETS), r.output
     assert all(resolve_model(name).num_params for name in CI_PRESETS)

@@ -105,7 +105,8 @@ def test_torch_lock_of_a_dead_builder_is_removed_and_a_live_ones_waited_for(tmp_
         _kill(builder)
     ops.clear_stale_torch_lock(folder, "DeepSpeed's CPU Adam")
     assert not lock.exists()
-    assert f"warning: removed {lock}, left by a build of DeepSpeed's CPU Adam that was stopped" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"warning: removed {lock}, left by a build of DeepSpeed's CPU Adam that was stopped" in err
     # the compilers of a killed build live on, working in the folder: they are waited for too
     lock.touch()
     compiler = subprocess.Popen(["sleep", "120"], cwd=folder)
