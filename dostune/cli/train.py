@@ -143,10 +143,10 @@ def _closing_lines(summary, metrics: Path, save_dir: Optional[Path], steps: int,
     from ..train.loop import metrics_path
 
     how = OPTIMIZER_NAMES.get(summary.optimizer, summary.optimizer)
-    ran = (f"trained steps {summary.first_step + 1}-{summary.last_step} with {how}" if summary.steps_run
-           else f"stopped before any step (after step {summary.last_step})")
     files = metrics_path(metrics, 0)
-    lines = [ran, f"metrics: {files} (one JSON line per step)" if summary.steps_run else "metrics: none (no step ran)"]
+    lines = [f"trained steps {summary.first_step + 1}-{summary.last_step} with {how}",
+             f"metrics: {files} (one JSON line per step)"] if summary.steps_run else \
+        ["no step ran, so no metrics were written"]
     if summary.checkpoints:
         lines.append(f"checkpoint: {summary.checkpoints[-1]} (DeepSpeed's format; `--resume` continues from it)")
     elif save_dir is None:
