@@ -18,7 +18,9 @@ pip_quiet() {
   fi
 }
 pip_quiet --upgrade pip || echo "install.sh: going on with $(python -m pip --version | cut -d' ' -f1-2)" >&2
-if ! python -c "import torch" 2>/dev/null; then
+# whether torch is there, without importing it: torch imported before numpy is installed warns "Failed to initialize
+# NumPy" (numpy comes with dostune's own requirements, below)
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip_quiet torch || exit 1
   else
@@ -27,9 +29,12 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # constrained to the torch installed above: an extra's dependency (accelerate, in dostune[hf]) must not swap its build
 torch_pin=$(mktemp)
-python -c "import torch; print('torch==' + torch.__version__)" > "$torch_pin"
+python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > "$torch_pin"
 pip_quiet -e ".${extra:+[$extra]}" -c "$torch_pin" || { rm -f "$torch_pin"; exit 1; }
 rm -f "$torch_pin"
+# DeepSpeed's CPU Adam (a minute or two) and dostune's CPU kernel, compiled now into this environment's own folder:
+# runs then load them, and compile and lock nothing
+python -m dostune ops build || { echo "install.sh: building the compiled ops failed (see above)" >&2; exit 1; }
 # versions from the packages' metadata: importing DeepSpeed here would print its accelerator banner
 python -c "from importlib.metadata import version as v; import dostune; print('dostune', dostune.__version__, \
 '| torch', v('torch'), '| deepspeed', v('deepspeed'))"

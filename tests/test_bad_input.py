@@ -77,6 +77,9 @@ def paths(tmp_path):
     hf = hf_config(json.loads((tmp_path / "plain.json").read_text()), "trainer")  # "auto" for the Trainer to fill
     (tmp_path / "for-trainer.json").write_text(json.dumps(hf))
     p["cfg_hf"] = str(tmp_path / "for-trainer.json")
+    # a Hugging Face config without the model's sizes: transformers would make LlamaConfig's 7B default of it
+    (tmp_path / "hf-no-sizes.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 512}))
+    p["hf_no_sizes"] = str(tmp_path / "hf-no-sizes.json")
     p["out"] = str(tmp_path / "out")  # where an output would go: must not exist after any case
     ro = _unwritable_dir(tmp_path)
     if ro is not None:
@@ -139,6 +142,12 @@ CASES = [
     ("train --config {cfg_plain} --model gpt2-tiny --steps 0 --metrics {out}", "--steps"),
     ("train --config {cfg_plain} --model gpt2-tiny --resume --metrics {out}", "--resume needs --save-dir"),
     ("train --config {cfg_plain} --model gpt2-tiny --data {missing} --metrics {out}", "does not exist"),
+    ("train --config {cfg_plain} --model gpt2-tiny --seq 16 --data {empty} --metrics {out}", "is empty"),
+    ("train --config {cfg_plain} --model gpt2-tiny --seq 16 --data {bin} --metrics {out}", "is not text"),
+    ("train --config {cfg_plain} --model gpt2-tiny --seq 16 --data {file} --metrics {out}", "fewer than one sequence"),
+    ("train --config {cfg_plain} --model gpt2-tiny --seq 16 --save-dir {dir} --resume --metrics {out}",
+     "no checkpoint in"),
+    ("train --config {cfg_plain} --model hf:{hf_no_sizes} --seq 16 --metrics {out}", "gives no hidden_size"),
     # refit
     ("refit --config {cfg26} --model gpt2-tiny --output {exists}", "already exists"),
     ("refit --config {cfg26} --model gpt2-tiny --output {file}/x.json", "is a file, not a folder"),
@@ -146,6 +155,7 @@ CASES = [
     ("refit --config {bin} --model gpt2-tiny --output {out}", "binary"),
     ("refit --config {node} --model gpt2-tiny --output {out}", "no 'dostune' section"),
     ("refit --config {cfg26} --model gpt5-giant --output {out}", "unknown model"),
+    ("refit --config {cfg26} --model hf:{hf_no_sizes} --output {out}", "gives no hidden_size"),
     # bench
     ("bench --model gpt2-tiny --seq 16 --output {ro}/bench.json", "cannot be written"),
     ("bench --model gpt2-tiny --seq 16 --output {file}/bench.json", "is a file, not a folder"),
@@ -183,6 +193,8 @@ CASES = [
 def test_bad_input_is_one_line_exit_2_and_nothing_written(paths, line, says):
     if "{ro}" in line and "ro" not in paths:
         pytest.skip("no folder here refuses a new file to this user")
+    if " hf:" in line:
+        pytest.importorskip("transformers")
     if " --output-dir " in line and torch.cuda.is_available() and " --profile " not in line:
         line += " --profile {node}"  # with a GPU, tune needs a profile named
     args = [a.format(**paths) for a in line.split()]
@@ -193,6 +205,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(paths, line, says):
     assert "Traceback" not in r.output
     assert lines and lines[0].startswith("error: ") and says in lines[0], r.output
     assert len(lines) == 2 and lines[1].startswith("hint: ") and len(lines[1]) > len("hint: "), r.output
+    # what the hint points at holds for a pip install too, which has no tests/ or docs/ folder
+    assert not any(where in lines[1] for where in ("tests/", "docs/", "results/")), r.output
     assert not Path(paths["out"]).exists()
     assert set(Path(paths["tmp"]).rglob("*")) == before, "a refused command left files behind"
 
@@ -201,6 +215,17 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(paths, line, says):
 def test_usage_error_hint_names_the_command(line):
     r = CliRunner().invoke(app, line.split())
     assert r.exit_code == 2 and f"`dostune {line.split()[0]} --help`" in r.output.splitlines()[-1], r.output
+
+
+def test_unknown_model_offers_the_user_presets_only(paths):
+    """The CI-only shapes resolve by name (the suite and the gate use them) but are never offered."""
+    from dostune.models.registry import CI_PRESETS, PRESETS, resolve_model
+
+    r = CliRunner().invoke(app, ["refit", "--config", paths["cfg26"], "--model", "gpt5-giant",
+                                 "--output", paths["out"]])
+    assert r.exit_code == 2
+    assert all(name in r.output for name in PRESETS) and not any(name in r.output for name in CI_PRESETS), r.output
+    assert all(resolve_model(name).num_params for name in CI_PRESETS)
 
 
 def test_unreadable_input_hint_is_specific(paths):

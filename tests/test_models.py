@@ -3,19 +3,21 @@ import torch
 
 from dostune.errors import DostuneError
 from dostune.models.decoder import count_parameters
-from dostune.models.registry import PRESETS, resolve_model
+from dostune.models.registry import CI_PRESETS, PRESETS, resolve_model
+
+SHAPES_BY_NAME = {**PRESETS, **CI_PRESETS}
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt2-small-test"])
 def test_small_presets_build_with_the_analytic_count(name):
     spec = resolve_model(name)
     model = spec.build()
-    assert sum(p.numel() for p in model.parameters()) == spec.num_params == count_parameters(PRESETS[name])
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params == count_parameters(SHAPES_BY_NAME[name])
     batch = spec.batch(2, 16, torch.Generator().manual_seed(0), "cpu")
     loss = model(**batch)
     assert loss.dim() == 0 and torch.isfinite(loss)
     # random init: close to uniform over the vocabulary
-    assert abs(loss.item() - torch.log(torch.tensor(float(PRESETS[name].vocab))).item()) < 1.0
+    assert abs(loss.item() - torch.log(torch.tensor(float(SHAPES_BY_NAME[name].vocab))).item()) < 1.0
 
 
 @pytest.mark.parametrize("name", ["gpt2-125m", "gpt2-1.3b", "llama-7b"])

@@ -41,4 +41,4 @@ def test_cpu_quick_start_profiles_tunes_refits_and_trains(tmp_path):
     # it says why the H100 profile, not this machine's, drives the tuning
     flat = " ".join(out.split())
     assert "no GPU here" in flat and "shipped H100 profile" in flat and "no GPU or PCIe figures" in flat
-    assert "InterleavedZeroOptimizer: ran steps 1-3" in flat
+    assert "trained steps 1-3 with dostune's interleaved CPU+GPU optimizer" in flat

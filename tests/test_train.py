@@ -125,6 +125,39 @@ def test_text_corpus_and_metrics(tmp_path):
     assert json.loads(r.stdout)["optimizer"] == "InterleavedZeroOptimizer"
 
 
+def test_a_run_that_fails_in_its_first_step_writes_no_metrics(tmp_path):
+    """The metrics file is opened at the first step's record: a run that never finished a step leaves none."""
+    from dataclasses import replace
+
+    from dostune.train.loop import check_options
+
+    class Unreadable:
+        def batch(self, *args):
+            raise DostuneError("the corpus went away")
+
+    o = opts(write_config(tmp_path), metrics=tmp_path / "runs" / "metrics.jsonl")
+    with pytest.raises(DostuneError, match="the corpus went away"):
+        train(o, prepared=replace(check_options(o), data=Unreadable()))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_last_lines_say_what_was_saved_where_and_what_next(tmp_path):
+    cfg, save = write_config(tmp_path), tmp_path / "ckpt"
+    r = CliRunner().invoke(app, ["train", "--config", str(cfg), "--model", "gpt2-tiny", "--steps", "2", "--seq", "16",
+                                 "--save-dir", str(save)])
+    assert r.exit_code == 0, r.output
+    tail = r.output.splitlines()[-4:]
+    assert tail[0] == "trained steps 1-2 with dostune's interleaved CPU+GPU optimizer"
+    assert tail[1] == f"metrics: {save / 'metrics.jsonl'} (one JSON line per step)"
+    assert tail[2].startswith(f"checkpoint: {save / 'step2'} ")
+    assert tail[3] == (f"to train further: dostune train --config {cfg} --model gpt2-tiny --steps 4 --seq 16 "
+                       f"--save-dir {save} --resume")
+    assert "InterleavedZeroOptimizer" not in r.output
+    r = CliRunner().invoke(app, ["train", "--config", str(cfg), "--model", "gpt2-tiny", "--steps", "4", "--seq", "16",
+                                 "--save-dir", str(save), "--resume"])
+    assert r.exit_code == 0 and "trained steps 3-4" in r.output, r.output
+
+
 def _tree_hash(path: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):

@@ -19,6 +19,7 @@ if "DS_ACCELERATOR" not in os.environ and not cuda_available():
 
 from . import bench as _bench
 from . import check as _check
+from . import ops as _ops
 from . import profile as _profile
 from . import refit as _refit
 from . import train as _train
@@ -138,6 +139,9 @@ app.command("refit", cls=_Command)(_refit.refit)
 app.command("train", cls=_Command)(_train.train)
 app.command("bench", cls=_Command)(_bench.bench)
 app.command("check", cls=_Command)(_check.check)
+_ops.app.command("build", cls=_Command)(_ops.build)
+_ops.app.command("status", cls=_Command)(_ops.status)
+app.add_typer(_ops.app, name="ops", cls=_Group)
 
 
 def quiet_known_warnings() -> None:

@@ -96,7 +96,7 @@ def train(
                         activation_checkpointing=activation_checkpointing, rank_timeout=rank_timeout,
                         resume_command=_resume_command(ctx))
     need_deepspeed("dostune train")
-    check_options(opts)  # a refusal prints alone, before the progress bar appears
+    prepared = check_options(opts)  # a refusal prints alone, before the progress bar appears
     progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, disable=not rank0)
     records = []
@@ -113,13 +113,13 @@ def train(
                 progress.console.print(f"step {r.step:>6}  {info}", highlight=False)
 
         with quiet_stdout():
-            summary = run_train(opts, on_step=on_step)
+            summary = run_train(opts, on_step=on_step, prepared=prepared)
     ranks = _gather_rank_figures(records)  # under the launcher: every rank's, on every rank
     if rank0 and len(ranks) > 1:
         err_console.print(describe_ranks(ranks), highlight=False, soft_wrap=True)
     if rank0:
-        err_console.print(f"{summary.optimizer}: ran steps {summary.first_step + 1}-{summary.last_step}; metrics "
-                          f"{metrics}" + (f"; last checkpoint {summary.checkpoints[-1]}" if summary.checkpoints else ""))
+        for line in _closing_lines(summary, metrics, save_dir, steps, ctx):
+            err_console.print(line, soft_wrap=True, highlight=False, markup=False)
         if json_out:
             print_json(summary.__dict__)
     if summary.interrupted:
@@ -132,12 +132,41 @@ def train(
                           summary.stop_signal)
 
 
-def _resume_command(ctx: typer.Context) -> str:
+# what the run's optimizer was, for the user (the JSON summary keeps the class's name)
+OPTIMIZER_NAMES = {"InterleavedZeroOptimizer": "dostune's interleaved CPU+GPU optimizer",
+                   "DeepSpeedZeroOptimizer_Stage3": "DeepSpeed's own ZeRO-3 optimizer"}
+
+
+def _closing_lines(summary, metrics: Path, save_dir: Optional[Path], steps: int, ctx: typer.Context) -> list[str]:
+    """The run's last lines: what ran, what was saved where, and what to do next (a stopped run's resume command
+    follows them)."""
+    from ..train.loop import metrics_path
+
+    how = OPTIMIZER_NAMES.get(summary.optimizer, summary.optimizer)
+    files = metrics_path(metrics, 0)
+    lines = [f"trained steps {summary.first_step + 1}-{summary.last_step} with {how}",
+             f"metrics: {files} (one JSON line per step)"] if summary.steps_run else \
+        ["no step ran, so no metrics were written"]
+    if summary.checkpoints:
+        lines.append(f"checkpoint: {summary.checkpoints[-1]} (DeepSpeed's format; `--resume` continues from it)")
+    elif save_dir is None:
+        lines.append("checkpoint: none (the run had no --save-dir)")
+    if not summary.interrupted:
+        lines.append(f"to train further: {_resume_command(ctx, steps=steps * 2)}" if save_dir is not None
+                     else "next: give --save-dir DIR to keep a run's weights and continue it later with --resume")
+    return lines
+
+
+def _resume_command(ctx: typer.Context, steps: Optional[int] = None) -> str:
     """The command line that continues this run: the options given on the command line (or through their
-    environment variables), with --resume. Under a launcher the ranks do not see the launcher's own options."""
+    environment variables), with --resume (and ``--steps steps`` where given: a finished run goes further). Under
+    a launcher the ranks do not see the launcher's own options."""
     words = []
     for p in ctx.command.params:
         source = ctx.get_parameter_source(p.name)
+        if p.name == "steps" and steps is not None:
+            words += [p.opts[0], str(steps)]
+            continue
         if p.name == "resume" or getattr(source, "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
             continue
         value = ctx.params[p.name]

@@ -26,18 +26,12 @@ from .decoder import DecoderConfig, DecoderLM, count_parameters, synthetic_batch
 
 BatchFn = Callable[[int, int, torch.Generator, torch.device], dict]
 
+# The presets a user is offered (--help, error messages).
 PRESETS: dict[str, DecoderConfig] = {
-    # tiny shapes for tests and CPU smoke runs
+    # tiny shapes for CPU smoke runs (the CPU quick start trains gpt2-tiny) and tests
     "gpt2-tiny": DecoderConfig("gpt2", layers=2, hidden=64, heads=4, vocab=512, max_positions=128),
     "llama-tiny": DecoderConfig("llama", layers=2, hidden=64, heads=4, vocab=512, max_positions=128, ffn=172,
                                 kv_heads=2),
-    "gpt2-small-test": DecoderConfig("gpt2", layers=4, hidden=256, heads=4, vocab=4096, max_positions=256),
-    # optimizer-heavy, compute-light: the CI bench of the update step on a CPU (43M parameters, tiny layers)
-    "ci-step-bench": DecoderConfig("gpt2", layers=2, hidden=1024, heads=8, vocab=32768, max_positions=64),
-    # the CPU regression gate's model (dostune/bench/gate.py): 16M parameters in few tensors, 7 subgroups at
-    # sub_group_size 2M, so a step has work for both lanes; at the gate's 4 tokens an iteration takes about 0.3 s on a
-    # 2-core AVX2 machine, most of it backward's bf16 matrix products
-    "ci-gate": DecoderConfig("gpt2", layers=2, hidden=768, heads=8, vocab=2048, max_positions=64),
     # GPT-2 family (GPT-3 paper shapes, vocabulary padded to 50304)
     "gpt2-125m": DecoderConfig("gpt2", layers=12, hidden=768, heads=12, vocab=50304, max_positions=1024),
     "gpt2-350m": DecoderConfig("gpt2", layers=24, hidden=1024, heads=16, vocab=50304, max_positions=1024),
@@ -52,6 +46,17 @@ PRESETS: dict[str, DecoderConfig] = {
                               ffn=11008),
     "llama-13b": DecoderConfig("llama", layers=40, hidden=5120, heads=40, vocab=32000, max_positions=4096,
                                ffn=13824),
+}
+
+# Shapes the test suite and the CI gate run: resolvable by name like a preset, never offered.
+CI_PRESETS: dict[str, DecoderConfig] = {
+    "gpt2-small-test": DecoderConfig("gpt2", layers=4, hidden=256, heads=4, vocab=4096, max_positions=256),
+    # optimizer-heavy, compute-light: the CI bench of the update step on a CPU (43M parameters, tiny layers)
+    "ci-step-bench": DecoderConfig("gpt2", layers=2, hidden=1024, heads=8, vocab=32768, max_positions=64),
+    # the CPU regression gate's model (dostune/bench/gate.py): 16M parameters in few tensors, 7 subgroups at
+    # sub_group_size 2M, so a step has work for both lanes; at the gate's 4 tokens an iteration takes about 0.3 s on a
+    # 2-core AVX2 machine, most of it backward's bf16 matrix products
+    "ci-gate": DecoderConfig("gpt2", layers=2, hidden=768, heads=8, vocab=2048, max_positions=64),
 }
 
 
@@ -166,8 +171,9 @@ def _hf_spec(path: str) -> ModelSpec:
         config = transformers.AutoConfig.from_pretrained(str(cfg_path))
     except (OSError, ValueError, KeyError) as e:  # malformed JSON, unknown model_type
         raise DostuneError(f"--model hf:{path}: not a Hugging Face model config ({str(e).splitlines()[0]})",
-                           hint="a config.json with a model_type transformers knows, e.g. tests/data/tiny-llama.json"
-                           ) from None
+                           hint="a config.json with a model_type transformers knows, e.g. the config.json of "
+                                "a model on the Hugging Face Hub") from None
+    _check_hf_sizes(cfg_path, config)
     vocab = config.vocab_size
     with torch.device("meta"):  # the parameter count, without memory or initialisation
         num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
@@ -195,10 +201,33 @@ def _hf_spec(path: str) -> ModelSpec:
                      config={"hf_config": json.loads(config.to_json_string())})
 
 
+# The sizes a causal LM's config must give (transformers' standard names): one left out is filled in with the
+# config class's default, which for most model types is a model of billions of parameters.
+HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_hf_sizes(path: Path, config) -> None:
+    """Refuse a config.json that leaves out a size the model type has (under the name the type gives it)."""
+    try:
+        given = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig read it: a form not worth second-guessing here
+    names = getattr(type(config), "attribute_map", {}) or {}
+    missing = [names.get(size, size) for size in HF_SIZES
+               if hasattr(config, size) and names.get(size, size) not in given and size not in given]
+    if missing:
+        kind = type(config).__name__
+        raise DostuneError(f"--model hf:{path}: the config gives no {', '.join(missing)}; transformers would fill "
+                           f"in {kind}'s default{'s' if len(missing) > 1 else ''} and build a model of another size",
+                           hint=f"add {', '.join(missing)} to {path} (a model's config.json on the Hugging Face Hub "
+                                "has them all)")
+
+
 def resolve_model(spec: str) -> ModelSpec:
     """A preset name, ``hf:path/to/config.json`` or ``package.module:factory``."""
-    if spec in PRESETS:
-        return _preset_spec(spec, PRESETS[spec])
+    shape = PRESETS.get(spec) or CI_PRESETS.get(spec)
+    if shape is not None:
+        return _preset_spec(spec, shape)
     if spec.startswith("hf:"):
         return _hf_spec(spec[3:])
     if ":" not in spec:

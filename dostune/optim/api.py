@@ -54,9 +54,12 @@ def initialize(*args: Any, **kwargs: Any):
     one, the engine is DeepSpeed's own."""
     import deepspeed
 
+    from ..ops import load_deepspeed_ops
+
     model = kwargs.get("model", args[1] if len(args) > 1 else None)  # deepspeed.initialize(args, model, ...)
     if model is not None:
         mark_leaf_blocks(model)
+    load_deepspeed_ops()  # from the environment's build, not built just in time under torch's ownerless lock
     out = deepspeed.initialize(*args, **kwargs)
     attach(out[0])
     return out
@@ -113,7 +116,10 @@ class HFTrainerCallback:
         return schedule
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        from ..ops import load_deepspeed_ops
+
         self._schedule(args)
+        load_deepspeed_ops()  # before the Trainer builds the engine, whose CPU Adam then finds it loaded
         if model is not None:  # before the Trainer builds the engine, so that it runs as dostune profiles it
             mark_leaf_blocks(model)
         return control

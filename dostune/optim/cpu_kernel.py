@@ -1,6 +1,6 @@
-"""Loads dostune's out-of-place CPU Adam (``cpu_adam_oop.c``): compiled on first use with the system C
-compiler (about a second), cached per source, compiler flags and CPU, and called through ctypes, which
-releases the GIL for the duration of the call."""
+"""Loads dostune's out-of-place CPU Adam (``cpu_adam_oop.c``): compiled with the system C compiler (about a
+second) by ``dostune ops build`` or on first use, kept per source, compiler flags and CPU in the environment's ops
+folder (dostune/ops.py), and called through ctypes, which releases the GIL for the duration of the call."""
 from __future__ import annotations
 
 import ctypes
@@ -11,11 +11,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .. import ops
 from ..errors import ConfigError
 from .kernels import AdamScalars, cpu_adam_simd_width
 
@@ -35,10 +37,6 @@ class _Scalars(ctypes.Structure):
                [("has_decay", ctypes.c_int), ("adamw", ctypes.c_int)]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DOSTUNE_CACHE", Path.home() / ".cache" / "dostune")) / "native"
-
-
 def _cpu_identity() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -49,31 +47,62 @@ def _cpu_identity() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+TITLE = "dostune's CPU Adam kernel"
+_PARTIAL = ".building-"  # a compile in progress writes here; one found under the build lock was cut short
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _library_name(compiler: str) -> str:
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, *_FLAGS, _cpu_identity()]).encode()).hexdigest()
+    return f"cpu_adam_oop-{key[:16]}.so"
+
+
+def built_path() -> Optional[Path]:
+    """The library built for this source, compiler and CPU, where this environment has one."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    name = _library_name(compiler)
+    return next((d / "native" / name for d in ops.ops_dirs() if (d / "native" / name).is_file()), None)
+
+
+def build() -> ops.BuiltOp:
+    """The kernel's library, compiled first where this environment has none for this source, compiler and CPU."""
+    compiler = _compiler()
     if compiler is None:
         raise ConfigError("overlap_backward needs a C compiler (gcc) to build dostune's CPU Adam kernel; none found",
                           hint="install gcc (DeepSpeed's CPU Adam needs one too), or set overlap_backward false")
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, *_FLAGS, _cpu_identity()]).encode()).hexdigest()
-    out = cache_dir() / f"cpu_adam_oop-{key[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # ranks building at once each rename atomically
-    os.close(fd)
-    res = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
-    if res.returncode != 0:
-        os.unlink(tmp)
-        raise ConfigError(f"building dostune's CPU Adam kernel failed ({compiler}):\n{res.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
-    return out
+    found = built_path()
+    if found is not None:
+        return ops.BuiltOp("cpu_adam_oop", TITLE, found)
+    name = _library_name(compiler)
+    folder = ops.ops_dir() / "native"
+    out = folder / name
+    with ops.BuildLock(folder / "cpu_adam_oop.lock", TITLE):
+        if out.is_file():  # built by the process this one waited for
+            return ops.BuiltOp("cpu_adam_oop", TITLE, out)
+        for left in folder.glob(f"{_PARTIAL}*"):  # no builder holds the lock: a killed compile's output
+            left.unlink(missing_ok=True)
+        ops.note(f"building {TITLE} into {folder} (first use in this Python environment, a few seconds)")
+        start = time.monotonic()
+        fd, tmp = tempfile.mkstemp(prefix=_PARTIAL, suffix=".so", dir=folder)
+        os.close(fd)
+        res = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+        if res.returncode != 0:
+            os.unlink(tmp)
+            raise ConfigError(f"building dostune's CPU Adam kernel failed ({compiler}):\n{res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+        return ops.BuiltOp("cpu_adam_oop", TITLE, out, time.monotonic() - start)
 
 
 def load() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            lib = ctypes.CDLL(str(_build()))
+            lib = ctypes.CDLL(str(build().path))
             f = lib.dostune_adam_oop
             f.restype = None
             f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + \

@@ -32,10 +32,13 @@ _build_lock = threading.Lock()
 
 
 def load_cpu_adam_op():
-    """Build (first use: about a minute, just in time) and load DeepSpeed's CPU Adam extension."""
+    """DeepSpeed's CPU Adam extension, from the environment's ops folder (dostune/ops.py: built there once)."""
     with _build_lock:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
+        from ..ops import load_deepspeed_op
+
+        load_deepspeed_op("CPUAdamBuilder")
         return CPUAdamBuilder().load(verbose=False)
 
 

@@ -13,10 +13,10 @@ from typing import Callable, NoReturn, Optional
 
 import torch
 
-from ..deepspeed_support import remember_cpu_info
 from ..dsconfig import activation_checkpointing
 from ..leaf_blocks import mark_leaf_blocks
 from ..models.registry import ModelSpec, loss_of
+from ..ops import load_deepspeed_ops
 
 
 def _free_port() -> int:
@@ -37,7 +37,9 @@ def ensure_distributed(timeout_s: Optional[float] = None) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
-    remember_cpu_info()  # before any CPU Adam is built, in this world or the one already made
+    # before init_distributed and any CPU Adam, in this world or the one already made: both then find their ops
+    # loaded from the environment's build (ops.py), and a missing one is built with a note, under a lock of dostune's
+    load_deepspeed_ops()
     if dist.is_initialized():
         return
     own_world = "RANK" not in os.environ

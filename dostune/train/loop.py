@@ -100,7 +100,7 @@ def load_ds_config(path: Path) -> dict:
         raise ConfigError(f"{path} leaves {', '.join(auto[:4])}{' ...' if len(auto) > 4 else ''} as \"auto\" for the "
                           "Hugging Face Trainer or Accelerate to fill in; dostune train needs them concrete",
                           hint="use the config `dostune tune` writes without --for (or --for deepspeed), or run it "
-                               "from the Trainer / Accelerate (docs/hf.md)")
+                               "from the Trainer / Accelerate, which fill them in")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                          "gradient_accumulation_steps"))
@@ -127,9 +127,19 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
+@dataclass
+class Prepared:
+    """What check_options read and checked, for train() to run without reading it again (a corpus is tokenised
+    once)."""
+
+    ds_config: dict
+    spec: ModelSpec
+    data: object  # data.SyntheticData or data.TextCorpus
+
+
+def check_options(opts: TrainOptions) -> Prepared:
     """Everything train() can refuse before building the engine (which takes minutes for a large model),
-    refused now: the config and its schedule against the model, the paths, the DeepSpeed release."""
+    refused now: the config and its schedule against the model, the paths, the data, the DeepSpeed release."""
     if opts.steps < 1:
         raise DostuneError(f"--steps must be at least 1, got {opts.steps}")
     if opts.resume and opts.save_dir is None:
@@ -139,6 +149,7 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
     spec = resolve_model(opts.model)
     spec.check_seq(opts.seq)
     check_deepspeed("dostune train")
+    latest = None
     if opts.save_dir is not None:
         check_writable(opts.save_dir, "--save-dir", directory=True)
         latest = read_latest(Path(opts.save_dir))
@@ -146,16 +157,22 @@ def check_options(opts: TrainOptions) -> tuple[dict, ModelSpec]:
             # A fresh run would overwrite the step tags of an earlier one and mix their histories.
             raise DostuneError(f"{opts.save_dir} already holds checkpoints (latest: {latest}); they were left as "
                                "they are", hint="pass --resume to continue that run, or choose another --save-dir")
+    if opts.resume and latest is None:
+        raise DostuneError(f"--resume: no checkpoint in {opts.save_dir} (DeepSpeed writes a 'latest' file there)",
+                           hint="give --save-dir the folder the interrupted run saved into, or drop --resume")
     if opts.metrics is not None:
         check_writable(opts.metrics, "--metrics")
     if not opts.plain_deepspeed:
         check_fits(cfg, spec, str(opts.config))  # and the world it was tuned for, against the launcher's
-    return cfg, spec
+    data = make_data(spec, opts.data, opts.tokenizer, opts.seed, opts.seq)
+    return Prepared(cfg, spec, data)
 
 
-def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = None) -> TrainSummary:
-    cfg, spec = check_options(opts)
-    data = make_data(spec, opts.data, opts.tokenizer, opts.seed)
+def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = None,
+          prepared: Optional[Prepared] = None) -> TrainSummary:
+    """Run ``opts``; ``prepared``: check_options(opts) already called (the CLI calls it before its progress bar)."""
+    prepared = prepared or check_options(opts)
+    cfg, spec, data = prepared.ds_config, prepared.spec, prepared.data
     if opts.deterministic:
         use_deterministic_kernels()
     if opts.plain_deepspeed:
@@ -182,13 +199,19 @@ def _run(engine, opts: TrainOptions, data, stop: StopSignals, on_step) -> TrainS
     summary.first_step = summary.last_step = start
     rank, world = _rank(), int(os.environ.get("WORLD_SIZE", "1"))
     metrics_f = None
-    if opts.metrics is not None:
-        # Every rank logs its own step times (and its own micro-batch's loss); rank 0 keeps the plain name.
-        path = Path(opts.metrics)
-        if rank:
-            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        metrics_f = open(path, "a" if opts.resume else "w")  # a resumed run continues its file
+
+    def log_metrics(rec: StepRecord) -> None:
+        """One line per step; the file is opened at the first step, so a run that never steps writes none."""
+        nonlocal metrics_f
+        if opts.metrics is None:
+            return
+        if metrics_f is None:
+            # Every rank logs its own step times (and its own micro-batch's loss); rank 0 keeps the plain name.
+            path = metrics_path(opts.metrics, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            metrics_f = open(path, "a" if opts.resume else "w")  # a resumed run continues its file
+        metrics_f.write(json.dumps(rec.__dict__) + "\n")
+        metrics_f.flush()
 
     def lost(what: str) -> str:
         return lost_rank_message(rank, what, read_latest(save_dir) if save_dir else None, opts.resume_command)
@@ -214,9 +237,7 @@ def _run(engine, opts: TrainOptions, data, stop: StopSignals, on_step) -> TrainS
                 summary.losses.append(rec.loss)
                 summary.steps_run += 1
                 summary.last_step = step + 1
-                if metrics_f is not None:
-                    metrics_f.write(json.dumps(rec.__dict__) + "\n")
-                    metrics_f.flush()
+                log_metrics(rec)
                 if on_step is not None:
                     on_step(rec)
                 if save_dir is not None and opts.save_every and (step + 1) % opts.save_every == 0:
@@ -232,6 +253,12 @@ def _run(engine, opts: TrainOptions, data, stop: StopSignals, on_step) -> TrainS
             metrics_f.close()
     summary.interrupted = bool(summary.stop_signal)
     return summary
+
+
+def metrics_path(metrics: Path, rank: int) -> Path:
+    """Rank ``rank``'s metrics file: ``metrics`` itself on rank 0, ``NAME.rankN.jsonl`` on the others."""
+    path = Path(metrics)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if rank else path
 
 
 def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepRecord:

@@ -154,12 +154,18 @@ def refit(ds_config: dict, spec: ModelSpec, source: str, sub_group_size: Optiona
         raise ConfigError(f"--micro-batch must be at least 1, got {micro_batch}")
     numels = param_numels(spec)
     notes = []
+    target = None
     if sub_group_size is None:
         target = sched.expected_subgroups or model_subgroups(spec, tuned.sub_group_size, world_size, numels)
         sub_group_size = max(1, math.ceil(sum(numels) / world_size / target))
-        notes.append(f"sub_group_size {sub_group_size:,} (the model's {sum(numels):,} parameters in about "
-                     f"{target} subgroups, as tuned)")
     n = model_subgroups(spec, sub_group_size, world_size, numels)
+    if target is not None:
+        # the count itself is said once, by the caller: a note of "about {target}" beside it would contradict it
+        # whenever the model's tensors (never split across subgroups) make fewer
+        notes.append(f"sub_group_size {sub_group_size:,}: the model's {sum(numels):,} parameters over the {target} "
+                     "subgroups the schedule was tuned for" + ("" if n >= target else
+                                                               "; its parameter tensors, which are never split, "
+                                                               "make fewer at that size"))
     new_sched, sched_notes = refit_schedule(sched, n, cores if cores is not None else os.cpu_count())
     cfg = copy.deepcopy(ds_config)
     cfg.setdefault("zero_optimization", {})["sub_group_size"] = int(sub_group_size)

@@ -1,0 +1,29 @@
+"""`dostune refit` says the refitted model's subgroup count once, and says it right."""
+import json
+import re
+
+from typer.testing import CliRunner
+
+from dostune.cli.app import app
+from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from dostune.models.registry import resolve_model
+from dostune.optim.schedule import ScheduleConfig
+from dostune.tune.refit import model_subgroups
+
+
+def test_a_small_model_gets_its_real_subgroup_count_said_once(tmp_path):
+    """A schedule tuned for 74 subgroups, carried to gpt2-tiny, whose tensors (never split) make fewer: no note
+    promises "about 74" beside the count the model really has."""
+    cfg = deepspeed_config(TrainSettings(micro_batch=2), OffloadSettings(
+        sub_group_size=20_000_000, pin_memory=False, schedule=ScheduleConfig(gpu_fraction=0.25, expected_subgroups=74)))
+    (tmp_path / "big.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["refit", "--config", str(tmp_path / "big.json"), "--model", "gpt2-tiny",
+                                 "--output", str(tmp_path / "tiny.json")])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    sgs = json.loads((tmp_path / "tiny.json").read_text())["zero_optimization"]["sub_group_size"]
+    n = model_subgroups(resolve_model("gpt2-tiny"), sgs)
+    assert n < 74
+    assert "about" not in out
+    assert re.findall(r"(\d+) subgroups", out) == ["74", "74", str(n)], out  # the tuned count, and the real one
+    assert f"refitted to gpt2-tiny: {n} subgroups" in out and "never split" in out
