@@ -108,7 +108,7 @@ def exit_skipping_teardown() -> NoReturn:
     so its gloo threads run on into the teardown, where a rank whose work was done could still abort ("terminate
     called without an active exception", exit -6, which fails the whole launch). It failed CI's two-rank launcher
     tests before the world was closed, and once after. Two bare gloo ranks with that module imported aborted so in 7
-    of 60 launches, in none of 30 without it, in none of 90 ending as here (docs/experiments.md, section 43).
+    of 60 launches, in none of 30 without it, in none of 90 ending as here (docs/findings.md, finding 18).
 
     What any exit does first is done here too, in its order: wait for the threads that are not daemons, then run the
     atexit handlers (they flush logs). What is skipped is freeing objects and C++ static destructors, which an ending
