@@ -71,7 +71,7 @@ def test_the_standard_mode_measures_less_and_thorough_as_every_profile_did_befor
     assert MODEL_EFFORT["thorough"] == ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)
     standard = ModelProfileOptions()
     assert (standard.mode, standard.iters, standard.step_lane_rounds) == ("standard", 3, 10)
-    assert standard.resolved_probe_seconds(cuda=True) == 15.0
+    assert standard.resolved_probe_seconds(cuda=True) == 10.0
     thorough = ModelProfileOptions.of_mode("thorough", model="gpt2-tiny", iters=None, probe_seconds=None)
     assert (thorough.mode, thorough.model, thorough.iters, thorough.step_lane_rounds) == ("thorough", "gpt2-tiny", 5, 20)
     assert thorough.resolved_probe_seconds(cuda=True) == 60.0

@@ -229,7 +229,7 @@ def test_staging_larger_than_the_gpu_is_refused():
 def test_host_memory_the_optimizer_would_still_allocate_is_refused_with_the_numbers():
     from types import SimpleNamespace
 
-    from dostune.optim.zero3 import check_host_fits
+    from dostune.optim.footprint import check_host_fits
 
     states = [{}, {}, {"step": 1}, {"step": 1}]  # DeepSpeed created the Adam states of the last two only
     flat = [object() for _ in states]

@@ -54,9 +54,9 @@ class ModelEffort:
 # over a span of the host's time rather than run a few in a row, which would read one stretch. "thorough" (for
 # validation work) spreads them over a minute (three read one process's pace more closely but predicted no better)
 # with five iterations a window, the defaults before the modes existed. "standard" (the default) takes
-# every figure "thorough" takes, over a quarter of the span and with three iterations a window, for a first profile
+# every figure "thorough" takes, over a sixth of the span and with three iterations a window, for a first profile
 # in less time; scripts/profile-accuracy.sh measures what the longer one buys.
-MODEL_EFFORT = {"standard": ModelEffort(iters=3, probe_seconds=15.0, step_lane_rounds=10),
+MODEL_EFFORT = {"standard": ModelEffort(iters=3, probe_seconds=10.0, step_lane_rounds=10),
                 "thorough": ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)}
 # the step-lane probe's subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth
 # modelling)

@@ -50,7 +50,8 @@ def profiles_dir() -> Path:
         return Path(env)
     package = Path(__file__).resolve().parents[1]
     installed = package / "profiles"
-    return installed if installed.is_dir() else package.parent / "profiles"
+    # a wheel carries the node profile there; a checkout has at most a stray folder (caches, a partial copy)
+    return installed if (installed / SHIPPED_NODE).is_file() else package.parent / "profiles"
 
 
 def shipped_profile(name: str = SHIPPED_NODE) -> Path:
