@@ -19,7 +19,8 @@ def prof():
         mp.setattr("dostune.profile.model.QuietRuns", FirstRunStolen)
         mp.setattr("dostune.profile.backward_probes.QuietRuns", FirstRunStolen)
         return measure_model(ModelProfileOptions(model="gpt2-tiny", micro_batch=2, seq=32, sub_group_size=20_000,
-                                                 reduce_bucket_size=3_000, iters=2, warmup=1, probe_seconds=2.0),
+                                                 reduce_bucket_size=3_000, iters=2, warmup=1, probe_seconds=2.0,
+                                                 second_window=True),
                              command="pytest")
 
 
@@ -68,12 +69,14 @@ def test_the_standard_mode_measures_less_and_thorough_as_every_profile_did_befor
     from dostune.profile.model import MODEL_EFFORT, ModelEffort
 
     # --thorough: the counts of every model profile measured before the modes, which the validations used
-    assert MODEL_EFFORT["thorough"] == ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)
+    assert MODEL_EFFORT["thorough"] == ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20, second_window=True)
     standard = ModelProfileOptions()
-    assert (standard.mode, standard.iters, standard.step_lane_rounds) == ("standard", 3, 10)
+    assert (standard.mode, standard.iters, standard.step_lane_rounds, standard.second_window) == ("standard", 3, 10,
+                                                                                                  False)
     assert standard.resolved_probe_seconds(cuda=True) == 10.0
     thorough = ModelProfileOptions.of_mode("thorough", model="gpt2-tiny", iters=None, probe_seconds=None)
-    assert (thorough.mode, thorough.model, thorough.iters, thorough.step_lane_rounds) == ("thorough", "gpt2-tiny", 5, 20)
+    assert (thorough.mode, thorough.model, thorough.iters, thorough.step_lane_rounds, thorough.second_window) == (
+        "thorough", "gpt2-tiny", 5, 20, True)
     assert thorough.resolved_probe_seconds(cuda=True) == 60.0
     # without a GPU the probes' rounds run in a row in either mode (such a profile tunes nothing real); counts given
     # win over the mode's

@@ -109,17 +109,16 @@ def profile(
     forward/backward/step times, a GPU memory timeline sampled at module boundaries, when each optimizer
     subgroup's gradients become final in backward, and PCIe traffic per phase; then backward's probes (without
     the gradient copies, with page-locked ones, beside the CPU lane) round after round for --probe-seconds, so
-    that a few slow seconds of the host do not set the prediction; then the step timed again, a second draw of
-    the host's speed (the tuner takes the mean of the two); last, on a GPU, the CPU lane as the step runs it. It
+    that a few slow seconds of the host do not set the prediction; with --thorough, the step timed again, a second
+    draw of the host's speed (the tuner takes the mean of the two); last, on a GPU, the CPU lane as the step runs it. It
     is written to its own file, named for the node, the model, the micro-batch and the sequence length: the name
     `dostune tune` looks for beside the node profile. For several GPUs or nodes run it under DeepSpeed's
     launcher, as training will run (file name NODE-MODEL-bB-sS-MxN.json; docs/multi-gpu.md):
       deepspeed --num_gpus 2 --module dostune.profile --model gpt2-1.3b
 
-    How long: the node profile about a minute and a half on a GPU node the first time (DeepSpeed's CPU Adam is
-    built on first use, once per machine), less after; a model profile one to two minutes for a 1-3B model, more
-    for larger ones (each iteration runs ZeRO-Offload's step). --thorough takes the counts every validation of
-    the performance model used: more repeats, and for a model about a minute more.
+    How long, measured on one H200 (16 cores): the node profile about 30 s; gpt2-1.3b's profile about a minute and a
+    half, more for larger models (each iteration runs ZeRO-Offload's step). --thorough takes the counts every
+    validation of the performance model used: more repeats, the second window, and for a model about a minute more.
 
     Examples:
       dostune profile

@@ -48,6 +48,7 @@ class ModelEffort:
     iters: int
     probe_seconds: float
     step_lane_rounds: int
+    second_window: bool  # time ZeRO-Offload's step again after the probes (StepWindow)
 
 
 # Backward's host-bound passes run at a pace that wanders in stretches of seconds, so the probes' rounds are spread
@@ -56,8 +57,8 @@ class ModelEffort:
 # with five iterations a window, the defaults before the modes existed. "standard" (the default) takes
 # every figure "thorough" takes, over a sixth of the span and with three iterations a window, for a first profile
 # in less time; scripts/profile-accuracy.sh measures what the longer one buys.
-MODEL_EFFORT = {"standard": ModelEffort(iters=3, probe_seconds=10.0, step_lane_rounds=10),
-                "thorough": ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20)}
+MODEL_EFFORT = {"standard": ModelEffort(iters=3, probe_seconds=10.0, step_lane_rounds=10, second_window=False),
+                "thorough": ModelEffort(iters=5, probe_seconds=60.0, step_lane_rounds=20, second_window=True)}
 # the step-lane probe's subgroups' least size (a small model's backward-probe scratch is smaller than any subgroup worth
 # modelling)
 STEP_LANE_MIN_ELEMENTS = 1_000_000
@@ -86,6 +87,9 @@ class ModelProfileOptions:
     # (``iters`` rounds in a row) on a CPU machine, whose profile tunes nothing real
     probe_seconds: Optional[float] = None
     step_lane_rounds: int = MODEL_EFFORT["standard"].step_lane_rounds
+    # ZeRO-Offload's step timed again after the probes, a second draw of the host's speed that the model averages
+    # with the first; the standard mode leaves it to --thorough (a window of a 1B model's iterations takes ~8 s)
+    second_window: bool = MODEL_EFFORT["standard"].second_window
 
     @classmethod
     def of_mode(cls, mode: str, **given) -> "ModelProfileOptions":
@@ -94,7 +98,8 @@ class ModelProfileOptions:
             raise DostuneError(f"unknown model profile mode {mode!r}: " + " or ".join(MODEL_EFFORT))
         effort = MODEL_EFFORT[mode]
         given = {k: v for k, v in given.items() if v is not None}
-        return cls(**({"mode": mode, "iters": effort.iters, "step_lane_rounds": effort.step_lane_rounds} | given))
+        return cls(**({"mode": mode, "iters": effort.iters, "step_lane_rounds": effort.step_lane_rounds,
+                        "second_window": effort.second_window} | given))
 
     def resolved_probe_seconds(self, cuda: bool) -> float:
         if self.probe_seconds is not None:
@@ -333,6 +338,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
             "more", left + 1))
 
     timed_runs = quiet_runs()
+    later_window = None  # StepWindow: --thorough only
     try:
         for _ in range(opts.warmup):
             iteration()
@@ -372,23 +378,24 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         # The step again, after the probes: a second draw of the host's speed (StepWindow). One untimed iteration first:
         # the probes' backward passes left gradients that no step took, which its step takes (and their memory peaks
         # are not the training's, so these iterations count towards none).
-        progress.start(f"{opts.model}: 1 warm-up + {opts.iters} iterations timed again, the step's second window",
-                       opts.iters + 1)
-        iteration()
-        later_runs = quiet_runs()
-        after_s = time.perf_counter() - first_end
-        while later_runs.more():
-            later_runs.start()
-            later_runs.stop(iteration(timed=True, peak=False))
-        later = later_runs.kept()
-        overhead.keep_steps([closed for _, closed, _ in later])
-        _, later_adam, later_unscale = overhead.summary([s.numel for s in subgroups])
-        # under the launcher the slowest rank's step, as the first window's phases
-        later_step = max(gather_ranks(Stat.of([secs["step"] for secs, _, _ in later])), key=lambda t: t.median)
-        later_window = StepWindow(after_s=round(after_s, 3), step_s=later_step,
-                                  step_overhead_s=max(gather_ranks(Stat.of([o for _, _, o in later]).median)),
-                                  ds_cpu_adam=later_adam, ds_unscale=later_unscale, steal=later_runs.share,
-                                  set_aside=later_runs.set_aside())
+        if opts.second_window:
+            progress.start(f"{opts.model}: 1 warm-up + {opts.iters} iterations timed again, the step's second window",
+                           opts.iters + 1)
+            iteration()
+            later_runs = quiet_runs()
+            after_s = time.perf_counter() - first_end
+            while later_runs.more():
+                later_runs.start()
+                later_runs.stop(iteration(timed=True, peak=False))
+            later = later_runs.kept()
+            overhead.keep_steps([closed for _, closed, _ in later])
+            _, later_adam, later_unscale = overhead.summary([s.numel for s in subgroups])
+            # under the launcher the slowest rank's step, as the first window's phases
+            later_step = max(gather_ranks(Stat.of([secs["step"] for secs, _, _ in later])), key=lambda t: t.median)
+            later_window = StepWindow(after_s=round(after_s, 3), step_s=later_step,
+                                      step_overhead_s=max(gather_ranks(Stat.of([o for _, _, o in later]).median)),
+                                      ds_cpu_adam=later_adam, ds_unscale=later_unscale, steal=later_runs.share,
+                                      set_aside=later_runs.set_aside())
     finally:
         for h in handles:
             h.remove()
