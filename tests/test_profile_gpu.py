@@ -95,6 +95,6 @@ def test_tune_takes_this_nodes_profile_from_profiles_by_default(tmp_path, monkey
     assert r.exit_code == 2 and "dostune profile" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(app, ["profile", "--quick"])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, tune)
+    r = CliRunner().invoke(app, tune + ["--verbose"])  # --verbose names the profiles read
     assert r.exit_code == 0, r.output
     assert f"node profile: profiles/{node_name(gpu_info(0))}.json" in " ".join(r.output.split())
