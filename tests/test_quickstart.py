@@ -41,4 +41,6 @@ def test_cpu_quick_start_profiles_tunes_refits_and_trains(tmp_path):
     # it says why the H200 profile, not this machine's, drives the tuning
     flat = " ".join(out.split())
     assert "no GPU here" in flat and "shipped H200 profile" in flat and "no GPU or PCIe figures" in flat
+    # the shipped profiles were measured by this dostune: nothing to profile again
+    assert "profile again with this dostune" not in flat
     assert "trained steps 1-3 with dostune's interleaved CPU+GPU optimizer" in flat
