@@ -20,13 +20,23 @@ def space():
     return build_space(TuneOptions(model="gpt2-1.3b", profile=shipped_profile()))[0]
 
 
-@pytest.fixture(scope="module")
-def small():
-    """The search space at its three largest sub_group_sizes: small enough to search exhaustively in seconds. From
-    the H100 profiles, whose model profile has no lane probe: every thread count for every schedule."""
-    s = build_space(TuneOptions(model="gpt2-1.3b", profile=shipped_profile("h100-pcie5.json")))[0]
+def _small(profile):
+    """The search space at its three largest sub_group_sizes: small enough to search exhaustively in seconds."""
+    s = build_space(TuneOptions(model="gpt2-1.3b", profile=profile))[0]
     s.sub_group_sizes = [100_000_000, 200_000_000, 400_000_000]
     return s
+
+
+@pytest.fixture(scope="module")
+def small():
+    return _small(shipped_profile())
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The small space from the H100 profiles, whose model profile has no lane probe: every thread count for every
+    schedule."""
+    return _small(shipped_profile("h100-pcie5.json"))
 
 
 def default_model_profile():
@@ -69,35 +79,35 @@ def test_the_default_trials_get_within_two_percent_of_brute_force(small, tmp_pat
     assert top[0].feasible
 
 
-def test_the_space_is_declared_once(small, tmp_path):
+def test_the_space_is_declared_once(plain, tmp_path):
     """Optuna's trials, the exhaustive reference and the enqueued seeds all take the parameters Space.choices
     declares, gpu_placement among them (the paper's every k-th subgroup is "spread")."""
-    choices = small.choices()
+    choices = plain.choices()
     assert choices["gpu_placement"] == list(PLACEMENTS) and "spread" in PLACEMENTS
-    assert small.overlap_possible and set(choices) == set(Candidate.__dataclass_fields__) - {"gpu_count"}
-    every = list(small.all_candidates())
+    assert plain.overlap_possible and set(choices) == set(Candidate.__dataclass_fields__) - {"gpu_count"}
+    every = list(plain.all_candidates())
     for name, values in choices.items():
         assert {getattr(c, name) for c in every} == set(values), name
-    assert len(every) == sum(len(small.sizes(s)) + 1 for s in choices["sub_group_size"]) * math.prod(
+    assert len(every) == sum(len(plain.sizes(s)) + 1 for s in choices["sub_group_size"]) * math.prod(
         len(v) for k, v in choices.items() if k != "sub_group_size")
     opts = TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=16, output_dir=tmp_path)
-    study = run_study(small, opts, f"sqlite:///{(tmp_path / 'study.db').as_posix()}", "decl", "key", NullProgress())
-    seeds = list(small.closed_form_candidates())
+    study = run_study(plain, opts, f"sqlite:///{(tmp_path / 'study.db').as_posix()}", "decl", "key", NullProgress())
+    seeds = list(plain.closed_form_candidates())
     for t in study.trials:
         assert set(t.params) == set(choices) | {GPU_SHARE}
         assert all(t.params[k] in v for k, v in choices.items())
     # the enqueued seeds come back as themselves
-    assert [small.candidate(t.params) for t in study.trials[:len(seeds)]] == seeds
-    assert all(small.candidate(small.params(c)) == c for c in every[::97])
+    assert [plain.candidate(t.params) for t in study.trials[:len(seeds)]] == seeds
+    assert all(plain.candidate(plain.params(c)) == c for c in every[::97])
     assert len({t.params["gpu_placement"] for t in study.trials}) > 1  # searched, not fixed
 
 
-def test_overlap_schedules_run_at_the_thread_count_the_lane_probe_measured(small, tmp_path):
+def test_overlap_schedules_run_at_the_thread_count_the_lane_probe_measured(plain, tmp_path):
     """The model knows overlap_backward's lane only at the threads its probe ran with (one fewer than the step's):
     those schedules are searched at that count alone, the others at every count."""
-    assert small.lane_threads is None  # the shipped profile has no lane probe: every count for every schedule
-    lane = copy.copy(small)
-    lane.model = small.model.model_copy(update={"lane_threads": 7})
+    assert plain.lane_threads is None  # no lane probe: every count for every schedule
+    lane = copy.copy(plain)
+    lane.model = plain.model.model_copy(update={"lane_threads": 7})
     assert lane.lane_threads == 8 and lane.threads == [8, 12, 16]
     every = list(lane.all_candidates())
     assert {c.cpu_threads for c in every if c.overlap_backward} == {8}
