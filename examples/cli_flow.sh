@@ -2,7 +2,7 @@
 # profile -> tune -> train with the CLI, in the current folder: profiles go to profiles/ (where `dostune tune` finds
 # them), everything else under runs/.
 # With a GPU: profile this node and the model, tune, train with the tuned config.
-# Without one: profile this machine's CPU side, tune gpt2-1.3b from the shipped H100 profile, carry the tuned
+# Without one: profile this machine's CPU side, tune gpt2-1.3b from the shipped H200 profile, carry the tuned
 # schedule over to a model a CPU trains in seconds (dostune refit) and train that, so the flow runs anywhere.
 # Knobs (the defaults are the real run; tests/test_quickstart.py turns them down):
 #   MODEL (gpt2-1.3b), TRIALS (50), STEPS (200 on a GPU, 20 on a CPU), NODE (mynode: the GPU node's name in its
@@ -27,7 +27,7 @@ if [ "${CUDA_VISIBLE_DEVICES-all}" != "" ] && nvidia-smi -L >/dev/null 2>&1; the
 else
   echo "== no GPU here: profiling this machine's CPU side (CPU Adam, conversions) for real"
   dostune profile --name this-node --force $PROFILE_ARGS
-  echo "== tuning $MODEL from the shipped H100 profile, not from profiles/this-node.json: the schedule splits"
+  echo "== tuning $MODEL from the shipped H200 profile, not from profiles/this-node.json: the schedule splits"
   echo "   each optimizer step between a GPU and its host, and a machine without a GPU has no GPU or PCIe figures"
   dostune tune --model "$MODEL" --trials "$TRIALS" --output-dir "runs/tune/$MODEL"
   echo "== training the tuned schedule's shape on gpt2-tiny, which a CPU trains in seconds"

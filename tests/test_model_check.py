@@ -1,6 +1,7 @@
 """The performance model against measured benches: each bench's schedule (and ZeRO-Offload) predicted from the shipped
-node profile and the model profile of its host, as `dostune tune` would, beside what the bench measured. The benches'
-medians and schedules are in tests/data/model-check/benches.json, with the model profiles the shipped ones lack.
+H100 node profile and the model profile of its host, as `dostune tune` would, beside what the bench measured. The
+benches ran on H100 hosts; their medians and schedules are in tests/data/model-check/benches.json, with the model
+profiles the shipped ones lack.
 
 Nothing in the model was fitted to these benches: the coefficients come from the profiles, and where those profiles
 (all older than schema 3) lack a measurement, from the fallbacks in perfmodel/coefficients.py, taken from other
@@ -34,7 +35,7 @@ def _profile_path(name: str) -> Path:
 
 
 def _space(model: str, profile_path: Path, spec: str = None) -> Space:
-    node, _ = rank_inputs(load_node_profile(shipped_profile()), World())
+    node, _ = rank_inputs(load_node_profile(shipped_profile("h100-pcie5.json")), World())
     prof = load_model_profile(profile_path)
     subgroups = ([s.numel for s in prof.subgroups], [s.grad_ready_s for s in prof.subgroups], prof.backward_s)
     return Space(node, ModelInputs.from_profile(prof), param_numels(resolve_model(spec or model)), None, None,

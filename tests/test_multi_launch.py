@@ -54,8 +54,10 @@ def _finish(*procs: subprocess.Popen) -> list[str]:
 
 def _tiny_config(tmp_path: Path, *world: str, name: str = "tiny") -> Path:
     """`dostune tune` for gpt2-1.3b in that world from the shipped H100 profile, carried over to gpt2-tiny with
-    `dostune refit` (as examples/cli_flow.sh does on a CPU): the file the ranks run, unedited."""
-    r = CliRunner().invoke(app, ["tune", "--model", "gpt2-1.3b", "--profile", str(shipped_profile()), "--trials", "3",
+    `dostune refit` (as examples/cli_flow.sh does on a CPU): the file the ranks run, unedited. The H100 profile is
+    older than profiles that count the node's GPUs, so it bounds no --num-gpus (the H200 profile counted one)."""
+    r = CliRunner().invoke(app, ["tune", "--model", "gpt2-1.3b", "--profile", str(shipped_profile("h100-pcie5.json")),
+                                 "--trials", "3",
                                  "--gpu-memory-budget", "20",
                                  "--output-dir", str(tmp_path / f"tune-{name}"), *world])
     assert r.exit_code == 0, r.output

@@ -23,6 +23,9 @@ from dostune.profile.record import NODE_SCHEMA_VERSION, MultiGpuProfile, PinnedC
 from dostune.stats import Stat
 from dostune.tune.search import TuneOptions, build_space, run_tune
 
+# The H100 pair: the node profile (schema 1) is older than profiles that count the node's GPUs, so it bounds no
+# --num-gpus (the default H200 profile counted one); the model profile is of one rank
+NODE_PROFILE = shipped_profile("h100-pcie5.json")
 MODEL_PROFILE = shipped_profile("h100-pcie5-gpt2-1.3b-b8-s1024.json")
 
 
@@ -77,7 +80,7 @@ def test_a_hostfile_gives_the_world_and_every_node_must_resolve():
 
 
 def test_one_rank_of_two_gets_half_the_node_from_a_one_gpu_profile():
-    p = load_node_profile(shipped_profile())  # schema 1: one GPU, no concurrent measurement
+    p = load_node_profile(shipped_profile())  # one GPU, no concurrent measurement
     alone = NodeInputs.from_profile(p)
     rank, notes = rank_inputs(p, World(1, 2))
     assert max(rank.cpu_adam) <= p.host.logical_cores // 2
@@ -151,7 +154,7 @@ def test_schema_1_profiles_still_load_and_new_ones_are_schema_6():
     # 3: the pageable device-to-host copies (the performance model's backward); 4: host-to-device copies under CPU Adam;
     # 5: steal; 6: the mode that measured it
     assert NODE_SCHEMA_VERSION == 6
-    p = load_node_profile(shipped_profile())
+    p = load_node_profile(NODE_PROFILE)
     assert p.schema_version == 1 and p.multi_gpu is None and p.cpu_adam.concurrent == {} and p.host.gpus is None
     m = load_model_profile(MODEL_PROFILE)
     assert (m.world.nodes, m.world.gpus_per_node, m.ranks) == (1, 1, [])
@@ -181,7 +184,7 @@ def test_gpu_topology_reads_nvmls_common_ancestors(monkeypatch):
 
 
 def test_the_tuned_config_records_its_world_and_the_partitions_subgroups(tmp_path):
-    res, cfg, space = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=3, num_gpus=2,
+    res, cfg, space = run_tune(TuneOptions(model="gpt2-1.3b", profile=NODE_PROFILE, trials=3, num_gpus=2,
                                            gpu_memory_budget="20", output_dir=tmp_path))
     assert cfg[WORLD_KEY] == {"nodes": 1, "gpus_per_node": 2} and res.world == cfg[WORLD_KEY]
     assert "train_batch_size" not in cfg  # DeepSpeed derives it: micro-batch x accumulation x ranks
@@ -195,19 +198,19 @@ def test_the_tuned_config_records_its_world_and_the_partitions_subgroups(tmp_pat
 
 def test_the_model_profile_must_come_from_the_same_world(tmp_path):
     with pytest.raises(ProfileError, match=r"measured on 1 node x 1 GPU \(1 rank\), the tune is for 1 node x 2 GPUs"):
-        build_space(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), model_profile=MODEL_PROFILE,
+        build_space(TuneOptions(model="gpt2-1.3b", profile=NODE_PROFILE, model_profile=MODEL_PROFILE,
                                 num_gpus=2))
     # a profile measured under the launcher in that world is found beside the node profile by its name
     data = json.loads(MODEL_PROFILE.read_text()) | {"schema_version": 2, "world": {"nodes": 1, "gpus_per_node": 2}}
     (tmp_path / "h100-pcie5-gpt2-1.3b-b8-s1024-1x2.json").write_text(json.dumps(data))
-    (tmp_path / "h100-pcie5.json").write_text(shipped_profile().read_text())
+    (tmp_path / "h100-pcie5.json").write_text(NODE_PROFILE.read_text())
     opts = TuneOptions(model="gpt2-1.3b", profile=tmp_path / "h100-pcie5.json", num_gpus=2)
     space, *_ , model_path, m = build_space(opts)
     assert model_path.name.endswith("-1x2.json") and space.world == World(1, 2) and m.fwd_s is not None
 
 
 def test_a_profile_that_counted_its_gpus_bounds_num_gpus(tmp_path):
-    data = json.loads(shipped_profile().read_text()) | {"schema_version": 2}
+    data = json.loads(NODE_PROFILE.read_text()) | {"schema_version": 2}
     data["host"]["gpus"] = 1
     (tmp_path / "one.json").write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="--num-gpus 2 is more than the 1 GPU"):
@@ -216,7 +219,7 @@ def test_a_profile_that_counted_its_gpus_bounds_num_gpus(tmp_path):
 
 
 def test_pinned_host_memory_of_the_nodes_ranks_is_a_limit(tmp_path):
-    opts = dict(model="gpt2-1.3b", profile=shipped_profile(), gpu_memory_budget="20", num_gpus=2)
+    opts = dict(model="gpt2-1.3b", profile=NODE_PROFILE, gpu_memory_budget="20", num_gpus=2)
     with pytest.raises(DostuneError, match=r"the 2 rank\(s\) of a node pin at least 2\d\.\d GiB"):
         build_space(TuneOptions(**opts, host_memory_budget="10"))
     space = build_space(TuneOptions(**opts, host_memory_budget="30"))[0]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dostune.profile.paths import SHIPPED_NODE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,8 +84,11 @@ WHERE = ("import dostune; from dostune.profile.paths import shipped_profile; pri
 def test_wheel_carries_profiles_and_tunes_outside_the_repository(tmp_path):
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("dostune/profiles/h100-pcie5.json", "dostune/profiles/h100-pcie5-gpt2-1.3b-b8-s1024.json",
-              "dostune/profiles/README.md", "dostune/optim/cpu_adam_oop.c"):
+    # the default node profile and its model profile, and the H100 ones that users on an H100 name with --profile
+    shipped = (f"dostune/profiles/{SHIPPED_NODE}", "dostune/profiles/h200-pcie5-gpt2-1.3b-b8-s1024.json",
+               "dostune/profiles/h100-pcie5.json", "dostune/profiles/h100-pcie5-gpt2-1.3b-b8-s1024.json",
+               "dostune/profiles/h100-pcie5-gpt2-2.7b-b8-s1024.json")
+    for f in (*shipped, "dostune/profiles/README.md", "dostune/optim/cpu_adam_oop.c"):
         assert f in names, f"{f} is not in the wheel"
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dostune").rglob("*.py")}
     assert modules <= names, f"modules missing from the wheel (pyproject.toml's packages): {sorted(modules - names)}"
@@ -119,4 +124,4 @@ def test_editable_install_finds_the_checkouts_profiles(tmp_path):
     r = run(str(venv / "bin" / "python"), "-c", WHERE)
     assert r.returncode == 0, r.stderr
     module, profile = r.stdout.split()
-    assert Path(module) == src / "dostune" / "__init__.py" and Path(profile) == src / "profiles" / "h100-pcie5.json"
+    assert Path(module) == src / "dostune" / "__init__.py" and Path(profile) == src / "profiles" / SHIPPED_NODE

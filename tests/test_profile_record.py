@@ -149,10 +149,12 @@ def test_schema_is_json_schema():
 def test_linear_cost_time():
     c = LinearCost(overhead_s=1e-3, rate_per_s=1e9, r2=1.0)
     assert c.time(1e9) == pytest.approx(1.001)
-def test_shipped_h100_profile_loads():
+def test_the_shipped_node_profiles_load():
     from dostune.profile.paths import shipped_profile
 
-    p = load_node_profile(shipped_profile())
+    p = load_node_profile(shipped_profile())  # the default
+    assert p.has_gpu and "H200" in p.gpu.name
+    p = load_node_profile(shipped_profile("h100-pcie5.json"))
     assert p.has_gpu and "H100" in p.gpu.name
 
 

@@ -188,7 +188,9 @@ def _tune_validate(tmp_path, monkeypatch, n: int, rounds: int, bench=FakeBench, 
 def test_tune_validate_prints_measured_beside_predicted_and_keeps_the_rest_in_tune_json(tmp_path, monkeypatch):
     """One table: each validated row's measured iteration, its speedup over ZeRO-Offload's and the prediction's
     error beside the prediction; what the host did is in tune.json's details, and printed with --verbose."""
-    out, res = _tune_validate(tmp_path, monkeypatch, 1, 1)
+    # the H100 profiles: their model profile predates the steal
+    older = ["--profile", str(shipped_profile("h100-pcie5.json"))]
+    out, res = _tune_validate(tmp_path, monkeypatch, 1, 1, flags=older)
     assert [v.method for v in res.validation] == ["zero-offload", "dostune"]
     zo, first = res.validation
     assert "measured s measured speedup error" in out
@@ -200,12 +202,12 @@ def test_tune_validate_prints_measured_beside_predicted_and_keeps_the_rest_in_tu
     # the rest: kept, not printed
     assert res.details[-len(validation_details(res)):] == validation_details(res)
     assert "detail:" not in out and "ZeRO-Offload ran" not in out and "--verbose prints" in out
-    # the shipped model profile predates the steal; FakeBench's runs say 1% and 2%
+    # the model profile predates the steal; FakeBench's runs say 1% and 2%
     assert res.profile_steal is None and [v.measured_steal for v in res.validation] == [0.01, 0.02]
     assert not any("separate processes" in line for line in res.details)  # one round: nothing to compare
     assert not any("adaptive_swing moved" in line for line in res.details)  # FakeBench's schedules record no swing
     assert (tmp_path / "validation-bench.json").exists() and (tmp_path / "validation.png").exists()
-    out, res = _tune_validate(tmp_path / "v", monkeypatch, 1, 1, flags=["--verbose"])
+    out, res = _tune_validate(tmp_path / "v", monkeypatch, 1, 1, flags=[*older, "--verbose"])
     for line in validation_details(res):
         assert f"detail: {line}" in out
     assert (f"ZeRO-Offload ran {res.host_drift():.2f}x the iteration its model profile measured (its step "

@@ -6,10 +6,12 @@ them rewrites the file (and says why in its commit message):
     python -m tools.predicted_times --write tests/data/predicted-times.json
     python -m tools.predicted_times --check tests/data/predicted-times.json   # exit 1 and the list when any moved
 
-A case is added by adding its inputs to the file's "cases" (model, model_profile: a file of the shipped profiles
-folder or null for the node profile alone, sub_group_size, schedule: ScheduleConfig fields, gpu_memory_budget) and
-writing the file. The predictions go through the tuner's own entry points (``build_space`` and
-``Space.predict_schedule``), so what is pinned is what `dostune tune` scores, whatever the model looks like inside.
+The file names the shipped node profile every case is predicted on ("node_profile"), so that a new default node
+profile does not move the pinned predictions. A case is added by adding its inputs to the file's "cases" (model,
+model_profile: a file of the shipped profiles folder or null for the node profile alone, sub_group_size, schedule:
+ScheduleConfig fields, gpu_memory_budget) and writing the file. The predictions go through the tuner's own entry
+points (``build_space`` and ``Space.predict_schedule``), so what is pinned is what `dostune tune` scores, whatever the
+model looks like inside.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from dostune.optim.schedule import ScheduleConfig
-from dostune.profile.paths import SHIPPED_NODE, profiles_dir
+from dostune.profile.paths import profiles_dir
 
 PINNED_FILE = Path(__file__).resolve().parents[1] / "tests" / "data" / "predicted-times.json"
 UPDATE_COMMAND = "python -m tools.predicted_times --write tests/data/predicted-times.json"
@@ -32,28 +34,30 @@ INPUTS = ("model", "model_profile", "sub_group_size", "schedule", "gpu_memory_bu
 
 
 @functools.lru_cache(maxsize=None)
-def _space(model: str, model_profile: Optional[str], gpu_memory_budget: str):
+def _space(node_profile: str, model: str, model_profile: Optional[str], gpu_memory_budget: str):
     from dostune.tune.search import TuneOptions, build_space
 
     folder = profiles_dir()
-    opts = TuneOptions(model=model, profile=folder / SHIPPED_NODE,
+    opts = TuneOptions(model=model, profile=folder / node_profile,
                        model_profile=folder / model_profile if model_profile else None,
                        gpu_memory_budget=gpu_memory_budget)
     return build_space(opts)[0]
 
 
-def predict_case(case: dict) -> dict:
-    """The case's predicted step and iteration seconds (iteration: None without a model profile) and subgroups."""
-    space = _space(case["model"], case.get("model_profile"), case.get("gpu_memory_budget", "auto"))
+def predict_case(node_profile: str, case: dict) -> dict:
+    """The case's predicted step and iteration seconds (iteration: None without a model profile) and subgroups, on the
+    shipped node profile ``node_profile``."""
+    space = _space(node_profile, case["model"], case.get("model_profile"), case.get("gpu_memory_budget", "auto"))
     p = space.predict_schedule(case["sub_group_size"], ScheduleConfig(**case.get("schedule", {})))
     return {"step_s": p.step_s, "iter_s": p.iter_s, "subgroups": len(p.sizes)}
 
 
 def compute(pinned: dict) -> dict:
     """``pinned`` with every case's predictions made again from its inputs."""
-    cases = {name: {**{k: c[k] for k in INPUTS if k in c}, "predicted": predict_case(c)}
+    node = pinned["node_profile"]
+    cases = {name: {**{k: c[k] for k in INPUTS if k in c}, "predicted": predict_case(node, c)}
              for name, c in pinned["cases"].items()}
-    return {"node_profile": SHIPPED_NODE, "update_with": UPDATE_COMMAND, "cases": cases}
+    return {"node_profile": node, "update_with": UPDATE_COMMAND, "cases": cases}
 
 
 def _same(a, b) -> bool:

@@ -129,7 +129,7 @@ def tune(
     model: str = typer.Option("gpt2-1.3b", help="Model preset or package.module:factory."),
     profile: Optional[Path] = typer.Option(None, help="Node profile (dostune profile). Default: profiles/NODE.json, "
                                            "where `dostune profile` writes this node's; without a GPU, the shipped "
-                                           "H100 profile."),
+                                           "H200 profile."),
     model_profile: Optional[Path] = typer.Option(None, help="Model profile (dostune profile --model). Default: "
                                                  "NODE-MODEL-bB-sS.json (NODE-MODEL-bB-sS-MxN.json for M nodes of N "
                                                  "GPUs) beside the node profile, if any."),

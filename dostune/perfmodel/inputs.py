@@ -90,7 +90,7 @@ class NodeInputs(BaseModel):
             raise ProfileError(f"node profile '{p.name}' has no GPU measurements ({', '.join(missing)} missing); "
                                "the performance model needs a profile measured on the GPU node",
                                hint="run `dostune profile` on the GPU machine, or leave out --profile to tune from the "
-                                    "shipped H100 profile")
+                                    "shipped H200 profile")
         c = p.copies
         by_threads = {t: Cost.of(s.fit) for t, s in p.cpu_adam.by_threads.items()}
         # Measured when the profile has it; older profiles: derived from the CPU conversion (both are

@@ -98,7 +98,7 @@ def measure_node(opts: NodeProfileOptions, progress: Optional[ProgressSink] = No
     if not has_gpu:
         notes.append(f"GPU measurements not available: {identity.no_gpu_reason()}. Only the CPU side (CPU Adam, "
                      "conversions) was measured; `dostune tune` needs GPU and PCIe figures, so profile the GPU "
-                     "machine you will train on (without a GPU, tune uses the shipped H100 profile)")
+                     "machine you will train on (without a GPU, tune uses the shipped H200 profile)")
     elif gpu.pcie is None:
         notes.append("NVML did not report the PCIe link (no NVML library, or the driver does not answer the query): "
                      "the copies were measured all the same; the default name leaves out the PCIe generation")

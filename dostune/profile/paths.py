@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..errors import ProfileError
 
-#: The node profile used when none is given on a machine without a GPU (measured on an H100 PCIe Gen5 node).
-SHIPPED_NODE = "h100-pcie5.json"
+#: The node profile used when none is given on a machine without a GPU (measured on an H200 PCIe Gen5 node).
+SHIPPED_NODE = "h200-pcie5.json"
 
 #: The folder `dostune profile` writes to and `dostune tune` reads from by default, relative to the current folder.
 MEASURED = Path("profiles")

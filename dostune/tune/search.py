@@ -79,7 +79,7 @@ def resolve_profiles(opts: TuneOptions) -> tuple[NodeProfile, Path, Optional[Mod
     elif not cuda_available():
         node_path = shipped_profile()
         # the schedule splits the optimizer step between a GPU and its host: a profile of this machine has neither
-        opts.notes.append("no --profile given and this machine has no GPU: tuned from the shipped H100 profile; to "
+        opts.notes.append("no --profile given and this machine has no GPU: tuned from the shipped H200 profile; to "
                           "tune for your GPU machine, run `dostune profile` there and pass --profile")
     else:
         node_path = measured_node_profile()
