@@ -239,3 +239,18 @@ def test_unreadable_input_hint_is_specific(paths):
         hint = r.output.splitlines()[-1]
         assert r.exit_code == 2 and hint.startswith("hint: ") and "--help" not in hint, (line, r.output)
         assert "codec" not in r.output
+
+
+def test_profile_refuses_to_overwrite_a_shipped_profile_and_says_how_to_keep_it(tmp_path, monkeypatch):
+    """On a node whose default name is a shipped profile's (an H200 in a checkout), `dostune profile` stops before
+    measuring and says which --name keeps the shipped file."""
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    node = shipped / "h200-pcie5.json"
+    node.write_bytes(shipped_profile().read_bytes())
+    monkeypatch.setenv("DOSTUNE_PROFILES", str(shipped))
+    r = CliRunner().invoke(app, ["profile", "--quick", "--output", str(node)])
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code == 2 and "it is a profile dostune ships" in lines[0] and "--name" in lines[1], r.output
+    assert node.read_bytes() == shipped_profile().read_bytes()
+

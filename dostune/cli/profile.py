@@ -166,6 +166,11 @@ def _output_path(output: Optional[Path], force: bool, default_path) -> Path:
     """The file the profile goes to, checked before any measuring: not there yet (or --force), and writable."""
     path = output or default_path()
     if path.exists() and not path.is_dir() and not force:
+        from ..profile.paths import profiles_dir
+
+        if path.resolve().parent == profiles_dir().resolve():  # a checkout's profiles/ holds the shipped ones
+            raise DostuneError(f"{path} already exists: it is a profile dostune ships",
+                               hint="give this node another --name (e.g. --name mynode), or --force to replace it")
         raise DostuneError(f"{path} already exists", hint="pass --force to overwrite it or choose another --output")
     return check_writable(path, "--output")
 
