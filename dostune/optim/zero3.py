@@ -162,8 +162,8 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     @property
     def dostune_swing_stats(self) -> dict:
-        """adaptive_swing: how many steps ran with each number of the GPU lane's streamed subgroups moved to the
-        CPU lane, and the number the next step uses."""
+        """adaptive_swing: how many steps ran with each swing (k > 0: k of the GPU lane's streamed subgroups on the
+        CPU lane; k < 0: -k of the CPU lane's subgroups on the GPU lane), and the swing the next step runs."""
         return self._dos.swing_stats
 
     def dostune_sync_host(self) -> None:
