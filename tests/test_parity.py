@@ -443,6 +443,7 @@ def both_ways_case(overlap: bool, steps: int = 20, exact: bool = True, **run_kw)
     # GPU lane's moves over, and the swing settles 5 steps after the change
     assert swings == [0] * 3 + [-2] * (SLOW_STEPS - 3 + 2) + [0] * 3 + [1] * (steps - SLOW_STEPS - 5)
     assert holder[0].dostune_swing_stats == {"steps_by_swing": {-2: 7, 0: 6, 1: steps - 13}, "swing": 1}
+    assert holder[0].dostune_swing == 1  # what dostune train records for the next step
     script.check_lanes()
     assert {tuple(plan.lent) for plan, _, _ in script.steps} == {(), (2, 3)}
     if overlap:  # speculated on (and committed) only the subgroups each step's CPU lane had
@@ -486,7 +487,7 @@ def test_subgroups_jumping_between_lanes_change_nothing(overlap, grad_accum):
     ours = run(train, sched, steps=20, adjust=adjust, seams=script.seams(partial_norm_cutoff=False))
     check_bitwise(ours, reference(train, steps=20))
     assert script.swings(base_cpu_lane=1) == [0] * 3 + ([3] * 3 + [-1] * 3) * 2 + [3] * 3 + [-1] * 2
-    assert opts[0].dostune_swing_stats["steps_by_swing"] == {-1: 8, 0: 3, 3: 9}
+    assert opts[0].dostune_swing_stats["steps_by_swing"] == {-1: 8, 0: 3, 3: 9} and opts[0].dostune_swing == -1
     script.check_lanes()
     if overlap:  # the moved subgroups were updated during backward too, and committed
         assert ours["overlap"]["committed"] == sum(len(plan.cpu_order) for plan, _, _ in script.steps)
