@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -143,10 +143,10 @@ def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spre
     return [GPU if gpu_count(i + 1, gpu_fraction) > gpu_count(i, gpu_fraction) else CPU for i in range(num_subgroups)]
 
 
-@dataclass(frozen=True)
-class GpuSlot:
+class GpuSlot(NamedTuple):
     """One GPU-lane subgroup: the staging slot it uses and the earlier GPU subgroup whose write-back
-    must finish before that slot can be refilled (None for the first pass over the slots)."""
+    must finish before that slot can be refilled (None for the first pass over the slots). A named tuple: the
+    footprint builds a plan for every swing of a schedule, the tuner that for every candidate."""
 
     subgroup: int
     slot: int
@@ -236,7 +236,7 @@ def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0, fallbac
     # only a GPU lane that streams subgroups takes any (the staging slots, and the measured cost of one more).
     own_streamed = gpu[sched.resident_subgroups:]
     candidates = tuple(sorted(own_streamed, reverse=True)[:sched.adaptive_swing])
-    lend = tuple(i for i, lane in enumerate(lanes) if lane == CPU)[:sched.adaptive_swing] if own_streamed else ()
+    lend = tuple([i for i, lane in enumerate(lanes) if lane == CPU][:sched.adaptive_swing]) if own_streamed else ()
     if not -len(lend) <= swing <= len(candidates):
         raise ValueError(f"swing {swing} is outside this schedule's range {-len(lend)}..{len(candidates)}")
     for i in candidates[:max(swing, 0)]:
@@ -250,7 +250,8 @@ def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0, fallbac
     for i in moved:
         lanes[i] = CPU
     resident = tuple(i for i in own_resident if i not in fallback)
-    streamed = [i for i in gpu if i not in own_resident and i not in fallback]
+    skip = fallback.union(own_resident)
+    streamed = [i for i in gpu if i not in skip]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
              for k, sg in enumerate(streamed)]
