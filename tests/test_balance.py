@@ -214,3 +214,16 @@ def test_a_swing_range_that_cannot_fit_on_the_gpu_is_refused_at_start_up():
     with pytest.raises(ConfigError, match="stages .* GiB on the GPU during the step") as e:
         check_staging_fits(opt, sched.model_copy(update={"adaptive_swing": 1}), capacity_bytes=fits)
     assert "adaptive_swing" in e.value.hint  # taking a CPU-lane subgroup needs room for its gradients in the slots
+
+
+def test_where_the_rule_settles_on_predicted_lane_times():
+    from dostune.optim.balance import settled_swing
+
+    # the two hosts above, predicted instead of measured: clipping settles at -3, a fast host at +1
+    assert settled_swing(lanes(gpu_sub=0.020, cpu_sub=0.031, streamed0=4, cpu0=8), to_cpu=4, to_gpu=8) == -3
+    fast = lanes(gpu_sub=0.020, cpu_sub=0.031, streamed0=4, cpu0=8, hidden_end=-0.010)
+    assert settled_swing(fast, to_cpu=4, to_gpu=8) == 1 == settled_swing(fast, to_cpu=4, to_gpu=8, swing=-3)
+    assert settled_swing(fast, to_cpu=0, to_gpu=8) == 0  # nothing may move to the CPU lane
+    # lane times that send it back and forth: it stops after a bounded number of decisions
+    flip = lambda k: SLOW if k > 0 else FAST  # noqa: E731
+    assert settled_swing(flip, to_cpu=4, to_gpu=0) in range(0, 5)

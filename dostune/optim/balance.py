@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,19 @@ class LaneBalance:
         while self.swing + k > -self.to_gpu and m.gpu_end + (1 - k) * m.gpu_sub < m.cpu_end + k * m.cpu_sub:
             k -= 1
         return k
+
+
+def settled_swing(times_at: Callable[[int], LaneTimes], to_cpu: int, to_gpu: int, swing: int = 0) -> int:
+    """Where the rule settles from ``swing`` when the lane times at each swing k are ``times_at(k)`` (a prediction,
+    e.g. the performance model's: no noise, so one decision per step): the swing at which it makes no more moves.
+    Lane times that would have it move back and forth stop it after to_cpu + to_gpu + 1 decisions, wherever it is."""
+    b = LaneBalance(to_cpu, to_gpu, window=1)
+    b.swing = swing
+    for _ in range(to_cpu + to_gpu + 1):
+        before = b.swing
+        if b.observe(times_at(before)) == before:
+            break
+    return b.swing
 
 
 def lane_times(cpu_spans: list[tuple[float, float]], gpu_end: float, streamed: int,
