@@ -166,7 +166,9 @@ def test_rounds_reverse_the_order_and_pool(monkeypatch):
     assert "2 rounds x 8 iterations" in md and "- `dostune`: 1.000, 3.000" in md
     assert "adaptive_swing" not in md  # no method swung
     res.methods["dostune"].swing = [0, 1, 2, 2]
-    assert "- `dostune`: 0 1 | 2 2" in markdown(res)
+    assert "- `dostune`: 0 1 | 2 2 (1 at 0, 1 at +1, 2 at +2)" in markdown(res)
+    res.methods["dostune"].swing = [-2, -2, 0, 1]  # the GPU lane took two of the CPU lane's, then gave them back
+    assert "- `dostune`: -2 -2 | 0 1 (2 at -2, 1 at 0, 1 at +1)" in markdown(res)
     with pytest.raises(DostuneError, match="--rounds"):
         bench_run.run_bench(bench_run.BenchOptions(model="gpt2-tiny", rounds=0))
 
@@ -334,6 +336,10 @@ def test_each_timed_iteration_records_the_swing_its_step_ran_with(monkeypatch):
                           progress=NullProgress())
     assert m["set_aside"].runs == 1 and len(m["samples"]["iter"]) == 3
     assert m["swing"] == [2, 3, 1]
+    # signed: CPU-lane subgroups on the GPU lane (warm-up leaves -1, which the set-aside iteration runs)
+    lent = bench_run.measure(_FakeEngine(_SwingingOptimizer([-1, -2, 0])), spec, seq=8, iters=2, warmup=1, seed=0,
+                             progress=NullProgress())
+    assert lent["swing"] == [-2, 0]
     fixed = bench_run.measure(_FakeEngine(_SwingingOptimizer([0], adaptive=False)), spec, seq=8, iters=2, warmup=1,
                               seed=0, progress=NullProgress())
     assert fixed["swing"] == []

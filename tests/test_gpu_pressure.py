@@ -74,11 +74,11 @@ def pressure_warnings(caplog) -> list:
     return [r for r in caplog.records if r.name == "dostune.optim.pressure" and r.levelno == logging.WARNING]
 
 
-def run_under_pressure(caplog, sched: ScheduleConfig, pressure: Pressure, **train_kw):
+def run_under_pressure(caplog, sched: ScheduleConfig, pressure: Pressure, seams=None, **train_kw):
     train = base_settings(precision="bf16", **train_kw)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dostune.optim.pressure"):
-        ours = run(train, sched, steps=STEPS, adjust=pressure.install)
+        ours = run(train, sched, steps=STEPS, adjust=pressure.install, seams=seams)
     ref = reference(train, steps=STEPS)
     check(ours, ref)
     assert torch.equal(ours["weights"], ref["weights"])  # on the CPU the lanes are DeepSpeed's arithmetic exactly
@@ -109,6 +109,34 @@ def test_failed_staging_sends_the_steps_gpu_lane_to_the_cpu(caplog, name):
             assert "gpu" not in lanes.get(i, set()), (step, i)
     if sched.overlap_backward:  # the CPU lane's own subgroups still ran during backward, committed at each step
         assert ours["overlap"]["committed"] == STEPS * len(plan.cpu_order)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_failed_staging_sends_lent_subgroups_back_to_the_cpu(caplog, overlap):
+    """CPU-lane subgroups that adaptive_swing lent to the GPU lane stream through its slots: a step whose slots
+    fail updates them on the host with DeepSpeed's own update, from the gradients backward offloaded for them."""
+    from test_parity import ScriptedLanes
+
+    from dostune.optim.balance import LaneTimes
+
+    # GPU lane 0-1, CPU lane 2-4; the CPU lane ends last at every step, so the GPU lane takes 2 and 3 after 3 steps
+    sched = ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", staging_buffers=2, adaptive_swing=2,
+                           overlap_backward=overlap, trace=True)
+    script = ScriptedLanes(lambda step, plan: LaneTimes(cpu_end=1.0, gpu_end=0.010, cpu_sub=0.1, gpu_sub=0.010))
+    fail_at = (4, 7, 8)
+    pressure = Pressure(slots_at=fail_at)
+    ours = run_under_pressure(caplog, sched, pressure, seams=script.seams())
+    assert pressure.opt.dostune_plan.lent == (2, 3)
+    assert ours["pressure"]["fallback_steps"] == len(fail_at) and ours["pressure"]["fallback_subgroups"] == 4 * 3
+    for step in range(3, STEPS):
+        lanes = pressure.lanes(step)
+        for i in (0, 1, 2, 3):
+            assert lanes[i] == ({"cpu", "up"} if step in fail_at else {"h2d", "gpu", "d2h"}), (step, i)
+        assert "gpu" not in lanes[4], step
+    # a step that fell back measures nothing, and the swing stays where it was
+    assert len(script.steps) == STEPS - len(fail_at)
+    assert pressure.opt.dostune_swing_stats == {"steps_by_swing": {-2: STEPS - 3, 0: 3}, "swing": -2}
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ result is expected to be bit-identical; the bound asked for is 1e-6 relative."""
 import pytest
 import torch
 
+from dostune.optim.balance import LaneTimes
 from dostune.optim.cpu_lane import CpuLaneSeams
 from dostune.optim.schedule import ScheduleConfig
 
@@ -373,43 +374,163 @@ def test_setting_a_gradient_reaches_the_gpu_lane_and_is_refused_once_its_update_
     _grads_after_backward(SCHEDULES["overlap"], set_cpu_lane)
 
 
-class ScriptedSwing:
-    """Stands in for adaptive_swing's LaneBalance (whose lane times need CUDA): the swing for each next step from
-    a fixed cycle, and the CPU lane each step ran with."""
+class ScriptedLanes:
+    """Stands in for adaptive_swing's measurement of each step's lane ends (a CPU device measures none), through the
+    seam cpu_lane.CpuLaneSeams.wrap_lane_times: each step's LaneTimes are ``times_of(step, plan)``. Keeps what each
+    step ran: its plan, and the subgroups its trace shows the CPU lane and the GPU lane updating."""
 
-    def __init__(self, opt, cycle):
-        self.opt, self.cycle, self.k, self.cpu_lanes = opt, cycle, 0, []
+    def __init__(self, times_of):
+        self.times_of = times_of
+        self.steps: list[tuple] = []  # (plan, subgroups the CPU lane updated, subgroups the GPU lane updated)
 
-    def observe(self, times):
-        assert times is None  # no CUDA: nothing measured
-        self.cpu_lanes.append(tuple(self.opt._dos.plan.cpu_order))
-        self.k += 1
-        return self.cycle[self.k % len(self.cycle)]
+    def wrap(self, measured):
+        def lane_times(trace, plan):
+            lanes = ({i for lane, i, *_ in trace if lane == name} for name in ("cpu", "gpu"))
+            self.steps.append((plan, *lanes))
+            return self.times_of(len(self.steps) - 1, plan)
+        return lane_times
+
+    def seams(self, partial_norm_cutoff: bool = True) -> CpuLaneSeams:
+        return CpuLaneSeams(partial_norm_cutoff=partial_norm_cutoff, wrap_lane_times=self.wrap)
+
+    def swings(self, base_cpu_lane: int) -> list[int]:
+        """The swing each step ran, from its plan (``base_cpu_lane``: the CPU lane's size at swing 0)."""
+        return [len(plan.cpu_order) - base_cpu_lane if not plan.lent else -len(plan.lent) for plan, _, _ in self.steps]
+
+    def check_lanes(self) -> None:
+        """Every step's lanes updated exactly its plan's subgroups: none lent to the GPU lane was updated (or
+        speculated on during backward) by the CPU lane."""
+        for k, (plan, cpu, gpu) in enumerate(self.steps):
+            assert cpu == set(plan.cpu_order) and gpu == set(plan.gpu_subgroups), k
+            assert not cpu & set(plan.lent), k
+
+
+def check_bitwise(ours, ref) -> None:
+    check(ours, ref)
+    assert ours["losses"] == ref["losses"]
+    assert torch.equal(ours["weights"], ref["weights"])  # on the CPU the lanes are DeepSpeed's arithmetic exactly
+
+
+# GPU lane 0-1 (streamed), CPU lane 2-4: the CPU lane may take 1 and 0, the GPU lane 2 and 3
+BOTH_WAYS = dict(gpu_fraction=0.4, gpu_placement="first", staging_buffers=2, adaptive_swing=2)
+SLOW_STEPS = 8  # the host that makes the CPU lane end last runs the first 8 steps, then the GPU lane ends last
+
+
+def slow_then_fast_host(step: int, plan) -> LaneTimes:
+    """First clipping (speculation stopped, so the CPU lane carries each of its subgroups in the step, 40 ms each,
+    the GPU lane 10 ms a subgroup); then the CPU lane's own subgroups end during backward, only those moved over
+    from the GPU lane running in the step (14 ms each), while the GPU lane takes 30 ms a subgroup."""
+    streamed = len(plan.gpu_slots)
+    if step < SLOW_STEPS:
+        return LaneTimes(cpu_end=0.040 * len(plan.cpu_order), gpu_end=0.010 * streamed, cpu_sub=0.040, gpu_sub=0.010)
+    moved_over = len([i for i in plan.cpu_order if i < 2])
+    return LaneTimes(cpu_end=0.014 * moved_over if moved_over else -0.010, gpu_end=0.030 * streamed,
+                     cpu_sub=0.014, gpu_sub=0.030)
+
+
+def both_ways_case(overlap: bool, steps: int = 20, exact: bool = True, **run_kw) -> None:
+    """The both-way balance moves CPU-lane subgroups to the GPU lane while the CPU lane ends last, and subgroups to
+    the CPU lane once the GPU lane does; the losses and weights stay DeepSpeed's (``exact``: bit for bit)."""
+    train = base_settings(precision="bf16")  # clips every step
+    sched = ScheduleConfig(overlap_backward=overlap, **BOTH_WAYS)
+    script = ScriptedLanes(slow_then_fast_host)
+    holder = []
+    # without the partial-norm cutoff every subgroup of the CPU lane speculates during backward (and is recomputed
+    # at the step): so that one lent to the GPU lane would be seen if the CPU lane touched it
+    ours = run(train, sched, steps=steps, adjust=holder.append, seams=script.seams(partial_norm_cutoff=False),
+               **run_kw)
+    (check_bitwise if exact else check)(ours, reference(train, steps=steps))
+    swings = script.swings(base_cpu_lane=3)
+    # the first decision (a window of 3 steps) takes both the GPU lane may (the lanes then end together, at 40 ms);
+    # once the fast host's steps are the window's median (2 steps after the change) both go back, then one of the
+    # GPU lane's moves over, and the swing settles 5 steps after the change
+    assert swings == [0] * 3 + [-2] * (SLOW_STEPS - 3 + 2) + [0] * 3 + [1] * (steps - SLOW_STEPS - 5)
+    assert holder[0].dostune_swing_stats == {"steps_by_swing": {-2: 7, 0: 6, 1: steps - 13}, "swing": 1}
+    assert holder[0].dostune_swing == 1  # what dostune train records for the next step
+    script.check_lanes()
+    assert {tuple(plan.lent) for plan, _, _ in script.steps} == {(), (2, 3)}
+    if overlap:  # speculated on (recomputed, and committed) only the subgroups each step's CPU lane had
+        st = ours["overlap"]
+        assert st["speculative"] == st["redone"] == st["committed"] == sum(len(p.cpu_order) for p, _, _ in script.steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lane_balance_moves_subgroups_both_ways_and_changes_nothing(overlap):
+    both_ways_case(overlap)
+
+
+def jumping_host(base_cpu_lane: int):
+    """Lane times in which whichever lane has the subgroups moved over ends far last (``base_cpu_lane``: the CPU
+    lane's size at swing 0), so that every decision moves the whole swing range."""
+    def times_of(step: int, plan) -> LaneTimes:
+        if len(plan.cpu_order) > base_cpu_lane:  # the CPU lane took GPU-lane subgroups
+            return LaneTimes(cpu_end=1.0, gpu_end=0.010, cpu_sub=0.010, gpu_sub=0.010)
+        return LaneTimes(cpu_end=-0.010, gpu_end=1.0, cpu_sub=0.010, gpu_sub=0.010)
+    return times_of
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap,grad_accum", [(True, 1), (False, 2)])
-def test_subgroups_moving_between_lanes_every_step_change_nothing(overlap, grad_accum):
-    """adaptive_swing re-plans between steps; whichever lane updates a subgroup, the values are DeepSpeed's."""
+def test_subgroups_jumping_between_lanes_change_nothing(overlap, grad_accum):
+    """adaptive_swing re-plans between steps, several subgroups at once either way (here from all three streamed
+    GPU-lane subgroups on the CPU lane to the CPU lane's one on the GPU lane); whichever lane updates a subgroup,
+    the values are DeepSpeed's."""
     train = base_settings(precision="bf16", grad_accum=grad_accum)
     sched = ScheduleConfig(gpu_fraction=0.8, gpu_placement="first", overlap_backward=overlap, resident_subgroups=1,
-                           staging_buffers=2, adaptive_swing=3)  # GPU lane 0-3, 0 resident; 3, 2, 1 may move
-    scripted = []
+                           staging_buffers=2, adaptive_swing=3)  # GPU lane 0-3, 0 resident; 3, 2, 1 may move, and 4
+    script = ScriptedLanes(jumping_host(base_cpu_lane=1))
+    opts = []
 
     def adjust(opt):
         if overlap:
             for i in (3, 2, 1):  # their shadows exist before any step moves them (not allocated mid-step)
                 assert opt._dos.cpu.worker.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i]
-        scripted.append(ScriptedSwing(opt, [0, 1, 3, 2, 0, 3, 1]))
-        opt._dos.split.balance = scripted[0]
+        opts.append(opt)
 
-    ours = run(train, sched, steps=20, adjust=adjust, seams=NO_CUTOFF)
-    check(ours, reference(train, steps=20))
-    lanes = scripted[0].cpu_lanes
-    assert len(lanes) == 20 and set(lanes) == {(4,), (3, 4), (2, 3, 4), (1, 2, 3, 4)}
-    assert scripted[0].opt.dostune_swing_stats["steps_by_swing"] == {0: 6, 1: 5, 2: 3, 3: 6}
+    ours = run(train, sched, steps=20, adjust=adjust, seams=script.seams(partial_norm_cutoff=False))
+    check_bitwise(ours, reference(train, steps=20))
+    assert script.swings(base_cpu_lane=1) == [0] * 3 + ([3] * 3 + [-1] * 3) * 2 + [3] * 3 + [-1] * 2
+    assert opts[0].dostune_swing_stats["steps_by_swing"] == {-1: 8, 0: 3, 3: 9} and opts[0].dostune_swing == -1
+    script.check_lanes()
     if overlap:  # the moved subgroups were updated during backward too, and committed
-        assert ours["overlap"]["committed"] == sum(len(c) for c in lanes)
+        assert ours["overlap"]["committed"] == sum(len(plan.cpu_order) for plan, _, _ in script.steps)
         # the worker's own list (it updates in the step those no gradient reached in backward) follows the plan
-        opt = scripted[0].opt
-        assert opt._dos.cpu.worker.subgroups == opt._dos.plan.cpu_order != [4]
+        assert opts[0]._dos.cpu.worker.subgroups == opts[0]._dos.plan.cpu_order == []
+
+
+@pytest.mark.slow
+def test_no_swing_allocates_more_gpu_memory_than_the_schedule_allows():
+    """What the step holds on the GPU lane's device at each swing (its staging slots, with room for a lent
+    subgroup's gradients, and the gradients kept for its own), measured on the lanes' tensors while the CPU lane
+    runs, is what footprint counts for that split, and never above the allowance start-up checked
+    (footprint.gpu_step_bytes: the most over the swing range)."""
+    from dostune.optim.footprint import gpu_step_bytes, plan_step_bytes
+    from dostune.optim.schedule import make_plan
+
+    sched = ScheduleConfig(upload="cpu_convert", **BOTH_WAYS)  # the CPU device uploads without a device buffer
+    held: list[int] = []
+
+    def watch(update):
+        def watched(opt, host, i, inv, trace):
+            dos = opt._dos
+            held.append(dos.streamed.staged_bytes + sum(4 * t.numel() for t in dos.grads.device.values()))
+            return update(opt, host, i, inv, trace)
+        return watched
+
+    script = ScriptedLanes(jumping_host(base_cpu_lane=3))  # swing 0, then 2, -2 (3 steps each)
+    seams = CpuLaneSeams(wrap_update=watch, wrap_lane_times=script.wrap)
+    opts = []
+    run(base_settings(precision="bf16"), sched, steps=9, adjust=opts.append, seams=seams)
+    assert script.swings(base_cpu_lane=3) == [0] * 3 + [2] * 3 + [-2] * 3
+    sizes = [int(n) for n in opts[0].fp16_partitioned_groups_flat_numel]
+    allowance = gpu_step_bytes(sizes, make_plan(len(sizes), sched), sched)
+    per_update = iter(held)
+    for plan, cpu, _ in script.steps:  # one sample per CPU-lane update: all of a step's are the same
+        samples = {next(per_update) for _ in cpu}
+        assert samples == {plan_step_bytes(sizes, plan, sched, cpu_in_backward=False)}, plan
+        assert samples.pop() <= allowance
+    assert next(per_update, None) is None
+    # the allowance is that of the swing needing the most: here -2, whose slots hold the lent subgroups' gradients
+    assert allowance == plan_step_bytes(sizes, script.steps[-1][0], sched, cpu_in_backward=False) > \
+        plan_step_bytes(sizes, script.steps[0][0], sched, cpu_in_backward=False)

@@ -1,10 +1,11 @@
 """The CPU parity tests again on the GPU: the GPU lane now streams over PCIe and runs the Triton kernel."""
 import pytest
 
+from dostune.optim.cpu_lane import CpuLaneSeams
 from dostune.optim.schedule import ScheduleConfig
 
 from parity_helpers import base_settings, reference, run
-from test_parity import NO_CUTOFF, SCHEDULES, check, checkpoint_into_running_engine, overflow_case
+from test_parity import NO_CUTOFF, SCHEDULES, both_ways_case, check, checkpoint_into_running_engine, overflow_case
 
 pytestmark = pytest.mark.gpu
 
@@ -61,11 +62,19 @@ def test_adaptive_swing_gpu(overlap):
                            adaptive_swing=3)
     seen = []
 
-    def adjust(opt):
-        observe = opt._dos.split.balance.observe
-        opt._dos.split.balance.observe = lambda times: seen.append(times) or observe(times)
+    def watch(measured):
+        def lane_times(trace, plan):
+            seen.append(measured(trace, plan))
+            return seen[-1]
+        return lane_times
 
-    ours = run(train, sched, steps=30, pin_memory=True, adjust=adjust)
+    ours = run(train, sched, steps=30, pin_memory=True, seams=CpuLaneSeams(wrap_lane_times=watch))
     check(ours, reference(train, steps=30))
     assert len(seen) == 30 and all(t is not None for t in seen[1:])
     assert all(t.gpu_end > 0 and t.cpu_sub > 0 and t.gpu_sub > 0 for t in seen[1:])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lane_balance_both_ways_gpu(overlap):
+    # the lent CPU-lane subgroups' states and gradients now cross PCIe into the staging slots and back
+    both_ways_case(overlap, exact=False, pin_memory=True)

@@ -27,3 +27,17 @@ def test_a_small_model_gets_its_real_subgroup_count_said_once(tmp_path):
     assert "about" not in out
     assert re.findall(r"(\d+) subgroups", out) == ["74", "74", str(n)], out  # the tuned count, and the real one
     assert f"refitted to gpt2-tiny: {n} subgroups" in out and "never split" in out
+
+
+def test_the_tuners_swing_is_carried_over_as_the_new_models_full_range():
+    """adaptive_swing set by the tuner's rule (every subgroup that can move may, either way) becomes that rule on the
+    new subgroup count; one set by hand keeps its value where the new model allows it."""
+    from dostune.tune.refit import refit_schedule
+
+    # 20 subgroups, 5 on the GPU lane (1 resident): 4 may go to the CPU lane, 15 to the GPU lane
+    tuned = ScheduleConfig(gpu_fraction=0.25, gpu_placement="first", resident_subgroups=1, overlap_backward=True,
+                           adaptive_swing=15, expected_subgroups=20)
+    new, notes = refit_schedule(tuned, 8)  # 2 on the GPU lane, the resident one kept: 1 to the CPU lane, 6 back
+    assert (new.resident_subgroups, new.adaptive_swing) == (1, 6) and "adaptive_swing 15 -> 6" in notes
+    by_hand, _ = refit_schedule(tuned.model_copy(update={"adaptive_swing": 3}), 8)
+    assert by_hand.adaptive_swing == 3

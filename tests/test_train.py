@@ -120,9 +120,22 @@ def test_text_corpus_and_metrics(tmp_path):
     assert r.exit_code == 0, r.output
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 13))
-    assert {"loss", "tokens_per_s", "fwd_s", "bwd_s", "step_s", "lr", "grad_norm"} <= set(lines[0])
+    assert {"loss", "tokens_per_s", "fwd_s", "bwd_s", "step_s", "lr", "grad_norm", "swing"} <= set(lines[0])
+    assert {x["swing"] for x in lines} == {None}  # the schedule has no adaptive_swing
     assert lines[-1]["loss"] < lines[0]["loss"]  # repetitive text: learnable within a few steps
     assert json.loads(r.stdout)["optimizer"] == "InterleavedZeroOptimizer"
+
+
+def test_each_step_records_the_swing_it_ran(tmp_path):
+    """With adaptive_swing each step's record carries the split it ran (the CPU device measures no lane, so the swing
+    stays at the tuned split, 0); plain DeepSpeed records none."""
+    sched = ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", adaptive_swing=2)
+    records = []
+    train(opts(write_config(tmp_path, sched), steps=3), on_step=records.append)
+    assert [r.swing for r in records] == [0, 0, 0]
+    records.clear()
+    train(opts(write_config(tmp_path, sched), steps=2, plain_deepspeed=True), on_step=records.append)
+    assert [r.swing for r in records] == [None, None]
 
 
 def test_a_run_that_fails_in_its_first_step_writes_no_metrics(tmp_path):

@@ -267,14 +267,17 @@ def test_resident_subgroups_fill_the_peak_allowance(space):
 
 
 def test_overlap_schedules_let_every_streamed_gpu_subgroup_swing(space):
-    """adaptive_swing is emitted with overlap_backward, bounded by the streamed (not resident) GPU-lane subgroups;
-    the prediction keeps the tuned split and counts the extra shadow states in pinned host memory."""
-    from dostune.optim.schedule import swing_candidates
+    """adaptive_swing is emitted with overlap_backward, the range the swing can use both ways: every streamed (not
+    resident) GPU-lane subgroup to the CPU lane, every CPU-lane subgroup to the GPU lane; the prediction keeps the
+    tuned split and counts the extra shadow states in pinned host memory."""
+    from dostune.optim.schedule import make_plan, swing_candidates
     from dostune.tune.space import Candidate
 
     p = space.evaluate(Candidate(25_000_000, 9, 3, 16, "gpu_convert", True, True))
     r = p.schedule.resident_subgroups
-    assert 0 < r < 9 and p.schedule.adaptive_swing == 9 - r
+    n = len(p.sizes)
+    assert 0 < r < 9 and p.schedule.adaptive_swing == max(9 - r, n - 9)
+    assert make_plan(n, p.schedule).swing_range == range(-(n - 9), 9 - r + 1)
     fixed = space.predict_schedule(25_000_000, p.schedule.model_copy(update={"adaptive_swing": 0}))
     assert fixed.step_s == p.step_s and fixed.iter_s == p.iter_s
     moved = swing_candidates(len(p.sizes), p.schedule)

@@ -250,8 +250,12 @@ def test_validate_records_the_split_the_swing_ran_and_names_the_rows_that_moved(
     _, res = _tune_validate(tmp_path, monkeypatch, 3, 1, bench=Swings)
     assert [(v.label, v.swung()) for v in res.validation] == [("zero-offload", None), ("dostune #1", (3, 4)),
                                                                ("dostune #3", None)]
-    assert ("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring dostune #1 (3 typically, 4 at "
-            "most): those rows ran another split than the one predicted") in " ".join(res.details)
+    assert ("adaptive_swing moved subgroups between the lanes (+k: to the CPU lane, -k: to the GPU lane) while "
+            "measuring dostune #1 (+3 typically, +4 at most): those rows ran another split than the one predicted") \
+        in " ".join(res.details)
+    # the GPU lane taking the CPU lane's subgroups is a move too
+    lent = zo.model_copy(update={"measured_swing": [0, -2, -1]})
+    assert lent.swung() == (-1, -2)
 
 
 class StopsAt(FakeBench):

@@ -57,8 +57,9 @@ class MethodResult(Record):
     samples: dict[str, list[float]] = Field(default_factory=dict)
     round_iter_s: list[float] = Field(default_factory=list)  # median iteration time of each round
     round_step_s: list[float] = Field(default_factory=list)  # v6. median step time of each round
-    # v7. How many of the GPU lane's streamed subgroups the CPU lane had (adaptive_swing) in each timed iteration, in
-    # the order of ``samples``: which split a process settled into, which may differ from one process to the next.
+    # v7. The swing (adaptive_swing) of each timed iteration, in the order of ``samples``: k > 0, k of the GPU lane's
+    # streamed subgroups on the CPU lane; k < 0 (records since the swing moves both ways), -k of the CPU lane's
+    # subgroups on the GPU lane. Which split a process settled into, which may differ from one process to the next.
     # Empty for a method without a swing.
     swing: list[int] = Field(default_factory=list)
     # v4. The share of the machine's CPU time the hypervisor took (steal, host_steal.py) during the timed iterations:

@@ -16,6 +16,18 @@ def _f(x: Optional[float], fmt: str = "{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def signed_swing(k: int) -> str:
+    """A swing as it reads in a report: -2, 0, +1."""
+    return f"{k:+d}" if k else "0"
+
+
+def steps_by_swing_text(swings) -> str:
+    """"3 at -2, 1 at 0, 4 at +1": how many of ``swings`` (one per step or iteration, or a dict swing -> count)
+    ran at each swing."""
+    counts = swings if isinstance(swings, dict) else {k: list(swings).count(k) for k in set(swings)}
+    return ", ".join(f"{counts[k]} at {signed_swing(k)}" for k in sorted(counts))
+
+
 def rows(res: BenchResult) -> list[list[str]]:
     out = []
     for name, m in res.methods.items():
@@ -89,10 +101,11 @@ def markdown(res: BenchResult) -> str:
     swings = [(n, m.swing) for n, m in res.methods.items() if m.ran and m.swing]
     if swings:
         per = max(1, len(swings[0][1]) // res.rounds)
-        lines += ["", "GPU-lane subgroups the CPU lane had (adaptive_swing) in each timed iteration, round by round:",
+        lines += ["", "The swing in each timed iteration, round by round (adaptive_swing; +k: k of the GPU lane's "
+                  "subgroups on the CPU lane, -k: k of the CPU lane's on the GPU lane), and the iterations at each:",
                   ""]
         lines += [f"- `{n}`: " + " | ".join(" ".join(map(str, s[k:k + per])) for k in range(0, len(s), per))
-                  for n, s in swings]
+                  + f" ({steps_by_swing_text(s)})" for n, s in swings]
     ranks = rank_lines(res)
     if ranks:
         lines += ["", f"{res.world_size} ranks on {res.nodes} node(s): each row is the slowest rank's, its peak "

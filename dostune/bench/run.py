@@ -41,6 +41,7 @@ from ..host_memory import fit_host_memory
 from ..host_steal import QuietRuns
 from .pool import combine_ranks, pool_rounds
 from .record import BenchResult, MethodResult
+from .report import signed_swing, steps_by_swing_text
 
 METHODS: dict[str, str] = {
     "no-offload": "ZeRO-3 with the optimizer state on the GPU (ratio 0.0): the ceiling",
@@ -233,8 +234,9 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                                 f"started during backward, {st['redone']} of them recomputed (clipping)")
             sw = engine.optimizer.dostune_swing_stats
             if sw["steps_by_swing"]:
-                description += (f"; adaptive_swing: steps by GPU-lane subgroups moved to the CPU lane "
-                                f"{sw['steps_by_swing']}, {sw['swing']} at the end")
+                description += (f"; adaptive_swing: steps by swing {steps_by_swing_text(sw['steps_by_swing'])} "
+                                f"(+k: k GPU-lane subgroups on the CPU lane, -k: k CPU-lane subgroups on the GPU "
+                                f"lane), {signed_swing(sw['swing'])} at the end")
             ph = engine.optimizer.dostune_step_phases
             if ph:
                 description += ("; step host time, median ms: " +

@@ -106,8 +106,9 @@ def train(
         def on_step(r):
             records.append(r)
             mem = f" | {r.gpu_mem_gib:.1f} GiB" if r.gpu_mem_gib is not None else ""
+            swing = f" | swing {r.swing:+d}" if r.swing else ""  # adaptive_swing moved subgroups for this step
             info = (f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s | {r.iter_s:.3f} s = fwd {r.fwd_s:.3f} + bwd "
-                    f"{r.bwd_s:.3f} + step {r.step_s:.3f}{mem}")
+                    f"{r.bwd_s:.3f} + step {r.step_s:.3f}{mem}{swing}")
             progress.update(task, completed=r.step, info=info)
             if rank0 and (r.step % log_every == 0 or r.step == steps):
                 progress.console.print(f"step {r.step:>6}  {info}", highlight=False)

@@ -39,16 +39,20 @@ def deepspeed_update(opt, host: HostStates, i: int, inv, trace: list) -> None:
 
 @dataclass(frozen=True)
 class CpuLaneSeams:
-    """What a test (or the CPU gate's harness) may change of the CPU lane, given when the optimizer is built; the
+    """What a test (or the CPU gate's harness) may change of the lanes, given when the optimizer is built; the
     defaults change nothing.
 
     ``wrap_update``: called once with the lane's per-subgroup update function, returns the function the lane calls
     instead (the CPU gate's harness makes the lane slower with it, to prove the gate catches that); None: the update
     as it is. ``partial_norm_cutoff``: overlap_backward stops speculating once the partial gradient norm makes
-    clipping certain; False makes every subgroup speculate, so that a clipped step recomputes them all."""
+    clipping certain; False makes every subgroup speculate, so that a clipped step recomputes them all.
+    ``wrap_lane_times``: called once with adaptive_swing's measurement of a step's lane ends (swing.py), returns the
+    function the split calls instead: a test scripts which lane ends last with it (a CPU device measures nothing),
+    or watches what the device measured; None: the measurement as it is."""
 
     wrap_update: Optional[Callable[[Callable], Callable]] = None
     partial_norm_cutoff: bool = True
+    wrap_lane_times: Optional[Callable[[Callable], Callable]] = None
 
 
 class CpuStepLane:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
-from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
+from .schedule import Plan, ScheduleConfig, kept_gradients, make_plan, streamed_gradients, updates_in_backward
 
 STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
 GRAD_BYTES = 4  # an fp32 gradient per element
@@ -49,16 +49,33 @@ def resident_bytes(sizes: Sequence[int], plan: Plan) -> int:
     return STATE_BYTES * sum(sizes[i] for i in plan.resident)
 
 
-def gpu_step_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -> int:
-    """GPU memory the interleaved update holds during the step: the staging slots (the widest streamed subgroup's
-    states, and its gradients when they are not kept), the CPU lane's fp32 upload buffer (gpu_convert), the gradients
-    kept on the GPU for GPU-lane subgroups, and the resident states."""
+def staging_slots(sizes: Sequence[int], plan: Plan, staging_buffers: int, grads_on_gpu: bool) -> tuple[int, int, bool]:
+    """The streamed GPU lane's staging slots for ``plan``: (how many, elements each, whether each has room for
+    gradients). As many as staging_buffers allows, each as wide as the widest streamed subgroup, with room for
+    gradients when any of them streams its gradients in (streamed_gradients)."""
     streamed = [sizes[s.subgroup] for s in plan.gpu_slots]
-    slot_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
-    slots = min(sched.staging_buffers, len(streamed)) * max(streamed, default=0) * slot_bytes
-    up = max((sizes[i] for i in plan.cpu_order), default=0) * 4 if sched.upload == "gpu_convert" else 0
-    kept = sum(sizes[i] for i in plan.gpu_subgroups) * GRAD_BYTES if sched.grads_on_gpu else 0
+    return (min(staging_buffers, len(streamed)), max(streamed, default=0),
+            bool(streamed_gradients(plan, grads_on_gpu)))
+
+
+def plan_step_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, cpu_in_backward: bool) -> int:
+    """GPU memory the interleaved update holds during a step that runs ``plan``: the staging slots (staging_slots),
+    the CPU lane's fp32 upload buffer (gpu_convert, at the step: ``cpu_in_backward`` False), the gradients kept on
+    the GPU (kept_gradients), and the resident states."""
+    count, width, with_grads = staging_slots(sizes, plan, sched.staging_buffers, sched.grads_on_gpu)
+    slots = count * width * (STATE_BYTES + (GRAD_BYTES if with_grads else 0))
+    up = max((sizes[i] for i in plan.cpu_order), default=0) * 4 \
+        if sched.upload == "gpu_convert" and not cpu_in_backward else 0
+    kept = sum(sizes[i] for i in kept_gradients(plan, sched.grads_on_gpu)) * GRAD_BYTES
     return slots + up + kept + resident_bytes(sizes, plan)
+
+
+def gpu_step_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -> int:
+    """GPU memory the interleaved update may hold during the step of the schedule whose plan is ``plan``: the most
+    over every split adaptive_swing may run (``plan.swing_range``), so that no move allocates more than this."""
+    backward = updates_in_backward(plan, sched)  # the CPU lane's form, chosen once for the run
+    return max(plan_step_bytes(sizes, make_plan(len(sizes), sched, swing=k), sched, backward)
+               for k in plan.swing_range)
 
 
 def backward_lane_host_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -> int:
@@ -123,9 +140,10 @@ def _sizes(opt) -> list[int]:
 
 
 def check_staging_fits(opt, schedule: ScheduleConfig, capacity_bytes: Optional[int]) -> None:
-    """Refuse a schedule whose step-time GPU staging cannot fit in the ``capacity_bytes`` the device has left at all
-    (checked before anything is allocated, so a bad config fails in seconds, not with an out-of-memory mid-step).
-    None: a device without memory of its own (nothing to check)."""
+    """Refuse a schedule whose step-time GPU staging (gpu_step_bytes: at the swing that needs the most) cannot fit
+    in the ``capacity_bytes`` the device has left at all (checked before anything is allocated, so a bad config
+    fails in seconds, not with an out-of-memory mid-step). None: a device without memory of its own (nothing to
+    check)."""
     if capacity_bytes is None:
         return
     sizes = _sizes(opt)
@@ -134,8 +152,8 @@ def check_staging_fits(opt, schedule: ScheduleConfig, capacity_bytes: Optional[i
         raise ConfigError(
             f"the dostune schedule stages {need / 2**30:.1f} GiB on the GPU during the step, but only "
             f"{capacity_bytes / 2**30:.1f} GiB are left on the device after the model",
-            hint="lower staging_buffers or gpu_fraction, set grads_on_gpu false, or use a smaller sub_group_size "
-                 "(dostune tune picks these under a memory budget)")
+            hint="lower staging_buffers, gpu_fraction or adaptive_swing, set grads_on_gpu false, or use a smaller "
+                 "sub_group_size (dostune tune picks these under a memory budget)")
 
 
 def _read_int(path: str) -> Optional[int]:

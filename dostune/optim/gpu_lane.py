@@ -3,7 +3,9 @@ bit-identical to DeepSpeedCPUAdam (kernels.py) updates them and writes the half-
 pass. Two kinds of subgroup, each its own lane object:
 
 * streamed (``StreamedGpuLane``): the states stream into a staging slot, and back to host memory after the
-  update; slots are reused round robin, each refill waiting (a CUDA event) for the slot's previous write-back;
+  update; slots are reused round robin, each refill waiting (a CUDA event) for the slot's previous write-back.
+  The CPU-lane subgroups adaptive_swing lends to the GPU lane (``Plan.lent``) are streamed the same way, their
+  gradients streamed in from DeepSpeed's fp32 host buffer with the states (where backward offloaded them);
 * resident (``ResidentGpuLane``, ``resident_subgroups``): the states stay on the GPU for the run; the update
   streams nothing over PCIe, and the host copies are brought up to date only when DeepSpeed reads them.
 
@@ -11,20 +13,21 @@ Everything is queued on the lane streams (queues.py) up front; nothing here bloc
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from .footprint import staging_slots
 from .grads import GradRouting
 from .host_state import Buffers, HostStates, empty_buffers
 from .kernels import LaneAdam
 from .queues import Queues
-from .schedule import Plan
+from .schedule import Plan, streamed_gradients
 
 
 class _Slot:
-    """A staging slot: room for the widest streamed subgroup's states (and gradients when they are not kept on
-    the GPU), and the event after which it may be refilled."""
+    """A staging slot: room for the widest streamed subgroup's states (and gradients when any streams them in),
+    and the event after which it may be refilled."""
 
     def __init__(self, queues: Queues, width: int, with_grads: bool, device: torch.device):
         with queues.on("compute"):
@@ -39,11 +42,12 @@ class StreamedGpuLane:
                  staging_buffers: int, grads_on_gpu: bool, device: torch.device):
         self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
         self._nbuf = staging_buffers
-        # where the gradients come from: kept on the GPU, or streamed in from DeepSpeed's fp32 host buffer
-        self._stream_grads = not grads_on_gpu
-        self._bring_in = self._states_and_grads_in if self._stream_grads else self._states_in
-        self._grad_of = self._streamed_grad if self._stream_grads else self._kept_grad
+        self._grads_on_gpu = grads_on_gpu
+        self._sizes = [host.numel(i) for i in range(host.count)]
         self._plan: Optional[Plan] = None
+        # Per streamed subgroup of the plan: how its inputs come in and where its gradients are read, by where they
+        # are (kept on the GPU, or streamed in from DeepSpeed's fp32 host buffer: without grads_on_gpu, or lent).
+        self._io: dict[int, tuple[Callable, Callable]] = {}
         # This iteration's slots (slot index -> slot), used round robin; _fills counts the fills so far.
         # _prefetched: subgroup -> (start, done) of the states streamed in at the step's start.
         self._slots: dict[int, _Slot] = {}
@@ -52,11 +56,19 @@ class StreamedGpuLane:
 
     def set_plan(self, plan: Plan) -> None:
         self._plan = plan
-        self._width = max((self._host.numel(s.subgroup) for s in plan.gpu_slots), default=0)
-        self._nslots = min(self._nbuf, len(plan.gpu_slots))
+        self._nslots, self._width, self._with_grads = staging_slots(self._sizes, plan, self._nbuf, self._grads_on_gpu)
+        streams = streamed_gradients(plan, self._grads_on_gpu)
+        self._io = {s.subgroup: (self._states_and_grads_in, self._streamed_grad) if s.subgroup in streams
+                    else (self._states_in, self._kept_grad) for s in plan.gpu_slots}
 
     def _new_slot(self) -> _Slot:
-        return _Slot(self._q, self._width, self._stream_grads, self._device)
+        return _Slot(self._q, self._width, self._with_grads, self._device)
+
+    @property
+    def staged_bytes(self) -> int:
+        """GPU memory this step's staging slots hold (0 between steps): what footprint.staging_slots counts."""
+        return sum(4 * (sum(t.numel() for t in slot.states) + (slot.grad.numel() if slot.grad is not None else 0))
+                   for slot in self._slots.values())
 
     def reserve(self) -> bool:
         """Allocate this step's staging slots, before anything is queued into them. False, holding none, when the
@@ -138,9 +150,10 @@ class StreamedGpuLane:
             self._fills += 1
             slot = self._slots[idx]
             states = slot.states.head(n)
+            bring_in, grad_of = self._io[i]
             # the step's prefetch filled slot k with the k-th
-            h2d_done, h2d_span = self._bring_in(i, slot, states, self._prefetched.get(i), trace)
-            g = self._grad_of(i, slot, n)
+            h2d_done, h2d_span = bring_in(i, slot, states, self._prefetched.get(i), trace)
+            g = grad_of(i, slot, n)
             step = host.advance(i)
             with q.on("compute"):
                 q.wait("compute", h2d_done)

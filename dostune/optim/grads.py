@@ -5,7 +5,8 @@ DeepSpeed copies every offloaded subgroup's gradient partition into its fp32 hos
 keep them elsewhere instead, decided per subgroup whenever the lanes are planned (not per call):
 
 * GPU-lane subgroups with ``grads_on_gpu``: the partition is widened into a buffer on the device ("device"), so the
-  GPU lane does not stream it back in;
+  GPU lane does not stream it back in (not those adaptive_swing lent from the CPU lane: DeepSpeed's offload takes
+  theirs, and the GPU lane streams them in with the states);
 * CPU-lane subgroups updated during backward: the CPU lane reads the half-precision copy DeepSpeed's
   ``partition_grads`` already put in its pinned gradient-partition buffer ("half"), so DeepSpeed's fp32 conversion
   and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
@@ -22,7 +23,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..errors import ConfigError
 from .norms import GradNorms
-from .schedule import Plan
+from .schedule import Plan, kept_gradients
 
 if TYPE_CHECKING:
     from .device import Device
@@ -89,9 +90,9 @@ class GradRouting:
     def set_plan(self, plan: Plan, in_backward: frozenset, on_final: Callable[[int, int], None]) -> None:
         """Route each subgroup for the lanes of ``plan``; ``in_backward``: the subgroups the CPU lane updates during
         backward, whose ``on_final(subgroup, parameter id)`` is called as each of their gradients is final."""
-        gpu = frozenset(plan.gpu_subgroups)
+        kept = kept_gradients(plan, self._grads_on_gpu)  # a lent subgroup's are offloaded as the CPU lane's are
         for i in range(len(self._keep)):
-            self._keep[i] = self._keep_device if (self._grads_on_gpu and i in gpu) else None
+            self._keep[i] = self._keep_device if i in kept else None
             self._final[i] = None
             if i in in_backward:
                 self._keep[i] = self._keep_half if i in self.slices else None
@@ -99,7 +100,7 @@ class GradRouting:
         # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
         # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
         # GPU lane holds the first layers) off the stream backward's end waits for.
-        self._skip_host_copy = gpu if (self._grads_on_gpu and self._opt.dtype != torch.float16) else frozenset()
+        self._skip_host_copy = kept if self._opt.dtype != torch.float16 else frozenset()
 
     def clear(self) -> None:
         """After the step (or a skipped one): the kept gradients are spent, and the next backward tries the device

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -63,12 +63,15 @@ class ScheduleConfig(BaseModel):
         "subgroups for the whole run (dostune tune spends the peak-memory allowance --max-peak-increase on it); "
         "the host copies are brought up to date when a checkpoint is saved. Needs grads_on_gpu"))
     adaptive_swing: int = Field(0, ge=0, description=(
-        "let the CPU lane take up to this many of the GPU lane's streamed subgroups (the highest indices, whose "
-        "gradients are final first) while the measured lane times predict that the step then ends sooner, and "
-        "give them back when the CPU lane ends last; decided between steps from the last 3 steps. Each subgroup "
-        "updates to the same values in either lane. Costs 12 bytes of host memory per parameter of those "
-        "subgroups with overlap_backward. Needs a CUDA device to measure (elsewhere the split stays as tuned); "
-        "0 (off) by default; dostune tune sets it to the number of streamed GPU-lane subgroups with overlap_backward"))
+        "let up to this many subgroups move between the lanes from step to step, either way: the CPU lane takes "
+        "the GPU lane's streamed subgroups (the highest indices, whose gradients are final first) while the "
+        "measured lane times predict that the step then ends sooner, and the GPU lane takes the CPU lane's (the "
+        "lowest indices, the CPU lane's last work in the step) while the CPU lane ends last, streamed through "
+        "its staging slots; decided between steps from the last 3 steps. Each subgroup updates to the same values "
+        "in either lane. Costs 12 bytes of host memory per parameter of the GPU-lane subgroups it may move with "
+        "overlap_backward, and GPU memory for the widest subgroup (and its gradients) in the staging slots. Needs "
+        "a CUDA device to measure (elsewhere the split stays as tuned); 0 (off) by default; dostune tune sets it to "
+        "the most either lane can hand over with overlap_backward"))
     expected_subgroups: Optional[int] = Field(None, ge=1, description=(
         "number of subgroups the schedule was tuned for; checked against the model at start-up"))
     trace: bool = Field(False, description="record per-subgroup lane timings (for the timeline plot)")
@@ -140,10 +143,10 @@ def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spre
     return [GPU if gpu_count(i + 1, gpu_fraction) > gpu_count(i, gpu_fraction) else CPU for i in range(num_subgroups)]
 
 
-@dataclass(frozen=True)
-class GpuSlot:
+class GpuSlot(NamedTuple):
     """One GPU-lane subgroup: the staging slot it uses and the earlier GPU subgroup whose write-back
-    must finish before that slot can be refilled (None for the first pass over the slots)."""
+    must finish before that slot can be refilled (None for the first pass over the slots). A named tuple: the
+    footprint builds a plan for every swing of a schedule, the tuner that for every candidate."""
 
     subgroup: int
     slot: int
@@ -159,9 +162,14 @@ class Plan:
     # GPU-lane subgroups that the GPU lane could not get device memory for at this step: updated on the host with
     # DeepSpeed's own update instead (a plan for one step only, see step.py); in no other list.
     fallback: tuple[int, ...] = ()
-    # The streamed GPU-lane subgroups adaptive_swing may move to the CPU lane, in the order it does (the same for
-    # every swing of one schedule, so not part of a plan's identity).
+    # CPU-lane subgroups the GPU lane takes in this plan (a negative swing): streamed like its own, their gradients
+    # offloaded in backward as a CPU-lane subgroup's are and streamed in with the states; also in gpu_slots.
+    lent: tuple[int, ...] = ()
+    # The streamed GPU-lane subgroups adaptive_swing may move to the CPU lane (a positive swing), and the CPU-lane
+    # subgroups it may move to the GPU lane (a negative one), each in the order it does: the same for every swing of
+    # one schedule, so not part of a plan's identity.
     swing_candidates: tuple[int, ...] = field(default=(), compare=False)
+    lend_candidates: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def gpu_subgroups(self) -> list[int]:
@@ -174,10 +182,27 @@ class Plan:
         """The GPU subgroups that fill a fresh staging slot (the ones whose states can be prefetched)."""
         return [s for s in self.gpu_slots if s.waits_for is None]
 
+    @property
+    def swing_range(self) -> range:
+        """Every swing this schedule's plans may run: -len(lend_candidates) .. len(swing_candidates)."""
+        return range(-len(self.lend_candidates), len(self.swing_candidates) + 1)
+
 
 def updates_in_backward(plan: Plan, sched: ScheduleConfig) -> bool:
     """Whether the CPU lane runs during backward (overlap_backward, with any subgroup it may update)."""
-    return sched.overlap_backward and bool(plan.cpu_order or plan.swing_candidates)
+    return sched.overlap_backward and bool(plan.cpu_order or plan.swing_candidates or plan.lend_candidates)
+
+
+def kept_gradients(plan: Plan, grads_on_gpu: bool) -> frozenset:
+    """The GPU-lane subgroups whose gradients backward keeps on the GPU (grads_on_gpu): all but the lent ones."""
+    return frozenset(plan.gpu_subgroups).difference(plan.lent) if grads_on_gpu else frozenset()
+
+
+def streamed_gradients(plan: Plan, grads_on_gpu: bool) -> frozenset:
+    """The streamed GPU-lane subgroups whose gradients stream in from DeepSpeed's fp32 host buffer with their states:
+    every one without grads_on_gpu, else the lent ones."""
+    streamed = frozenset(s.subgroup for s in plan.gpu_slots)
+    return streamed.difference(kept_gradients(plan, grads_on_gpu))
 
 
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
@@ -185,30 +210,50 @@ def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
     return list(make_plan(num_subgroups, sched).swing_candidates)
 
 
+def full_swing(num_subgroups: int, gpu_subgroups: int, resident: int) -> int:
+    """The ``adaptive_swing`` that lets every streamed GPU-lane subgroup move to the CPU lane and every CPU-lane
+    subgroup to the GPU lane (``gpu_subgroups`` of ``num_subgroups`` on the GPU lane, ``resident`` of them
+    resident); 0 without a streamed GPU-lane subgroup (make_plan: nothing can move either way)."""
+    gpu = min(gpu_subgroups, num_subgroups)
+    return max(gpu - resident, num_subgroups - gpu) if gpu > resident else 0
+
+
 def make_plan(num_subgroups: int, sched: ScheduleConfig, swing: int = 0, fallback: frozenset = frozenset()) -> Plan:
-    """The lanes, CPU-lane order and GPU-lane staging chain; ``swing`` of the GPU lane's streamed subgroups
-    (its ``swing_candidates``) go to the CPU lane instead, and the GPU-lane subgroups in ``fallback`` to the plan's
-    ``fallback`` (the others keep their places: no streamed subgroup becomes resident)."""
+    """The lanes, CPU-lane order and GPU-lane staging chain. ``swing`` k > 0: the first k of the GPU lane's
+    ``swing_candidates`` go to the CPU lane; k < 0: the first -k of the CPU lane's ``lend_candidates`` go to the
+    GPU lane (``lent``), streamed like its own. The GPU-lane subgroups in ``fallback`` go to the plan's ``fallback``
+    (the others keep their places: no streamed subgroup becomes resident)."""
     lanes = assign_lanes(num_subgroups, sched.gpu_fraction, sched.gpu_placement)
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     if sched.resident_subgroups > len(gpu):
         raise ConfigError(f"resident_subgroups is {sched.resident_subgroups} but the GPU lane has only {len(gpu)} "
                           f"subgroups (gpu_fraction {sched.gpu_fraction} of {num_subgroups})",
                           hint="lower resident_subgroups or raise gpu_fraction")
-    # adaptive_swing moves the streamed ones (resident subgroups keep their states on the GPU), highest index first:
-    # their gradients are final first, nearest the CPU lane's
-    candidates = tuple(sorted(gpu[sched.resident_subgroups:], reverse=True)[:sched.adaptive_swing])
-    for i in candidates[:swing]:
+    own_resident = gpu[:sched.resident_subgroups]
+    # The CPU lane takes the streamed ones (resident subgroups keep their states on the GPU), highest index first:
+    # their gradients are final first, nearest the CPU lane's. The GPU lane takes the CPU lane's lowest indices
+    # first: their gradients are final last, so they are the CPU lane's last work in the step (balance.py says why);
+    # only a GPU lane that streams subgroups takes any (the staging slots, and the measured cost of one more).
+    own_streamed = gpu[sched.resident_subgroups:]
+    candidates = tuple(sorted(own_streamed, reverse=True)[:sched.adaptive_swing])
+    lend = tuple([i for i, lane in enumerate(lanes) if lane == CPU][:sched.adaptive_swing]) if own_streamed else ()
+    if not -len(lend) <= swing <= len(candidates):
+        raise ValueError(f"swing {swing} is outside this schedule's range {-len(lend)}..{len(candidates)}")
+    for i in candidates[:max(swing, 0)]:
         lanes[i] = CPU
+    lent = lend[:max(-swing, 0)]
+    for i in lent:
+        lanes[i] = GPU
     cpu_order = [i for i, lane in enumerate(lanes) if lane == CPU]
     gpu = [i for i, lane in enumerate(lanes) if lane == GPU]
     moved = tuple(i for i in gpu if i in fallback)
     for i in moved:
         lanes[i] = CPU
-    resident = tuple(i for i in gpu[:sched.resident_subgroups] if i not in fallback)
-    streamed = [i for i in gpu[sched.resident_subgroups:] if i not in fallback]
+    resident = tuple(i for i in own_resident if i not in fallback)
+    skip = fallback.union(own_resident)
+    streamed = [i for i in gpu if i not in skip]
     n = sched.staging_buffers
     slots = [GpuSlot(subgroup=sg, slot=k % n, waits_for=streamed[k - n] if k >= n else None)
              for k, sg in enumerate(streamed)]
     return Plan(lanes=lanes, cpu_order=cpu_order, gpu_slots=slots, resident=resident, fallback=moved,
-                swing_candidates=candidates)
+                lent=tuple(i for i in lent if i not in fallback), swing_candidates=candidates, lend_candidates=lend)

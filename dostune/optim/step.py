@@ -9,7 +9,9 @@ the CPU lane, so CPU Adam, GPU Adam and both PCIe directions overlap. The math i
 clipping and loss-scale/overflow handling, the same Adam/AdamW update from the same state.
 
 Each step runs a plan: the run's (``plan``), or, when the GPU lane cannot get its device memory at that step, one
-with the subgroups concerned moved to DeepSpeed's own update on the host (``step_plan``, pressure.py).
+with the subgroups concerned moved to DeepSpeed's own update on the host (``step_plan``, pressure.py). The run's plan
+changes between steps when adaptive_swing moves subgroups between the lanes, either way (swing.py, balance.py); the
+next backward routes the gradients for the new lanes.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from .uploads import deepspeed_upload
 
 
 class InterleavedStep:
-    """``seams``: what a test may change of the CPU lane (cpu_lane.CpuLaneSeams; the default changes nothing)."""
+    """``seams``: what a test may change of the lanes (cpu_lane.CpuLaneSeams; the default changes nothing)."""
 
     def __init__(self, opt, schedule: ScheduleConfig, seams: CpuLaneSeams = CpuLaneSeams()):
         self.opt, self.schedule = opt, schedule
@@ -75,7 +77,7 @@ class InterleavedStep:
         else:
             self.cpu = CpuStepLane(opt, self.host, schedule, device.cpu_lane_upload(schedule.upload, q, self.pressure),
                                    seams)
-        self.split = AdaptiveSplit(len(plan.swing_candidates), q) if plan.swing_candidates else FixedSplit()
+        self.split = AdaptiveSplit(plan, q, seams.wrap_lane_times) if len(plan.swing_range) > 1 else FixedSplit()
         self.clock = StepClock(q, schedule.trace)
         self._set_plan(plan)
 
@@ -216,7 +218,7 @@ class InterleavedStep:
         self.clock.record(trace)
         # a step that fell back measures no lane as the swing's plan runs it
         fell_back = self._end_step_plan()
-        swing = self.split.decide(None if fell_back else trace, len(self.plan.gpu_slots))
+        swing = self.split.decide(None if fell_back else trace, self.plan)
         if swing is not None:
             self._set_plan(make_plan(self.count, self.schedule, swing=swing))
 

@@ -162,9 +162,14 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     @property
     def dostune_swing_stats(self) -> dict:
-        """adaptive_swing: how many steps ran with each number of the GPU lane's streamed subgroups moved to the
-        CPU lane, and the number the next step uses."""
+        """adaptive_swing: how many steps ran with each swing (k > 0: k of the GPU lane's streamed subgroups on the
+        CPU lane; k < 0: -k of the CPU lane's subgroups on the GPU lane), and the swing the next step runs."""
         return self._dos.swing_stats
+
+    @property
+    def dostune_swing(self) -> Optional[int]:
+        """The swing the next step runs (see dostune_swing_stats); None when the schedule can move no subgroup."""
+        return self._dos.split.swing if len(self._dos.plan.swing_range) > 1 else None
 
     def dostune_sync_host(self) -> None:
         """Bring the host copies of the resident subgroups' fp32 params and Adam states up to date (DeepSpeed's

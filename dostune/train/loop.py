@@ -76,6 +76,9 @@ class StepRecord:
     tokens_per_s: float
     gpu_mem_gib: Optional[float]
     grad_norm: Optional[float]
+    # adaptive_swing: the swing this step ran (k > 0: k GPU-lane subgroups on the CPU lane, k < 0: -k CPU-lane
+    # subgroups on the GPU lane); None without one
+    swing: Optional[int] = None
 
 
 @dataclass
@@ -268,6 +271,7 @@ def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepR
     cuda = torch.cuda.is_available()
     f = b = s = 0.0
     losses = []
+    swing = getattr(engine.optimizer, "dostune_swing", None)  # decided after the step before, for this one
     t_it = time.perf_counter()
     for micro in range(gas):
         batch = data.batch(step * gas + micro, mb, seq, engine.device, rank)
@@ -279,4 +283,4 @@ def _one_step(engine, data, step: int, seq: int, rank: int, world: int) -> StepR
     return StepRecord(step=step + 1, loss=sum(losses) / len(losses), lr=float(engine.get_lr()[0]),
                       iter_s=it, fwd_s=f, bwd_s=b, step_s=s, tokens_per_s=mb * gas * seq * world / it,
                       gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                      grad_norm=float(norm) if norm is not None else None)
+                      grad_norm=float(norm) if norm is not None else None, swing=swing)

@@ -91,18 +91,19 @@ class Validation(Record):
     # fresh process, so these say how far the same schedule moves from one process to the next
     measured_round_iter_s: Optional[list[float]] = None
     measured_round_step_s: Optional[list[float]] = None
-    # v7. How many of the GPU lane's streamed subgroups the CPU lane had (adaptive_swing) in each timed iteration, in
-    # the order run (bench's MethodResult.swing); None for a method without a swing. The prediction is of the tuned
-    # split, which the swing leaves as it is until the lanes' measured times disagree with it
+    # v7. The swing (adaptive_swing) of each timed iteration, in the order run (bench's MethodResult.swing: k > 0, k
+    # GPU-lane subgroups on the CPU lane; k < 0, -k CPU-lane subgroups on the GPU lane); None for a method without a
+    # swing. The prediction is of the tuned split, which the swing leaves as it is until the lanes' measured times
+    # disagree with it
     measured_swing: Optional[list[int]] = None
 
     def swung(self) -> Optional[tuple[float, int]]:
-        """(median, most) GPU-lane subgroups the swing had moved to the CPU lane over the timed iterations; None where
-        it moved none or nothing was recorded: a row that moved measured another split than the one predicted."""
+        """(median, farthest from 0) swing over the timed iterations; None where it moved nothing or nothing was
+        recorded: a row that moved measured another split than the one predicted."""
         xs = self.measured_swing
-        if not xs or max(xs) == 0:
+        if not xs or not any(xs):
             return None
-        return median(xs), max(xs)
+        return median(xs), max(xs, key=abs)
 
     def predicted(self, phase: str) -> Optional[float]:
         return getattr(self, f"predicted_{phase}_s")

@@ -1,7 +1,7 @@
 """Whether a tuned schedule fits a model, and carrying it over to another model (``dostune refit``).
 
 A ``dostune`` section is tuned for one model at one sub_group_size: it names how many subgroups it expects,
-how many of the GPU lane's subgroups stay resident, how many may swing to the CPU lane. On another model those
+how many of the GPU lane's subgroups stay resident, how many may move between the lanes. On another model those
 counts can be impossible (a resident count above the GPU lane's size) or simply not the tuned problem. The
 count follows from the model's parameter shapes alone (perfmodel/subgroups.py forms the subgroups the way
 DeepSpeed does), so it is checked before any engine is built, which takes minutes for a large model.
@@ -20,7 +20,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..models.registry import ModelSpec
-from ..optim.schedule import SECTION, ScheduleConfig, gpu_count, make_plan
+from ..optim.schedule import SECTION, ScheduleConfig, full_swing, gpu_count, make_plan
 from ..perfmodel.subgroups import param_numels, subgroup_sizes
 from ..perfmodel.world import World, check_local_gpus, check_world
 
@@ -109,11 +109,10 @@ def refit_schedule(sched: ScheduleConfig, n: int, cores: Optional[int] = None) -
         notes.append(f"gpu_fraction raised to {fraction:.4g} so that one of the {n} subgroups is updated on the GPU")
     old_g = gpu_count(old_n, sched.gpu_fraction) if old_n else g
     resident = _scaled(sched.resident_subgroups, old_g, g) if sched.resident_subgroups else 0
-    streamed = g - resident
-    if sched.adaptive_swing and old_n and sched.adaptive_swing == old_g - sched.resident_subgroups:
-        swing = streamed  # the tuner's rule: every streamed GPU-lane subgroup may swing
+    if sched.adaptive_swing and old_n and sched.adaptive_swing == full_swing(old_n, old_g, sched.resident_subgroups):
+        swing = full_swing(n, g, resident)  # the tuner's rule: every subgroup that can move may, either way
     else:
-        swing = min(sched.adaptive_swing, streamed)
+        swing = min(sched.adaptive_swing, full_swing(n, g, resident))
     threads = sched.cpu_threads
     if threads is not None and cores is not None and threads > cores:
         notes.append(f"cpu_threads {threads} dropped: a rank here has {cores} logical core(s) (CPU Adam uses "

@@ -156,10 +156,11 @@ def validation_details(res: TuneResult) -> list[str]:
                      "this host's own variation; more --validate-rounds average more of it out")
     swung = [(v.label, *moved) for v in res.validation if (moved := v.swung()) is not None]
     if swung:
-        # the model predicts the tuned split; the swing moves GPU-lane subgroups when the lanes' measured times
-        # disagree with it
-        out.append("adaptive_swing moved GPU-lane subgroups to the CPU lane while measuring "
-                   + ", ".join(f"{label} ({med:g} typically, {most} at most)" for label, med, most in swung)
+        # the model predicts the tuned split; the swing moves subgroups between the lanes when the lanes' measured
+        # times disagree with it
+        out.append("adaptive_swing moved subgroups between the lanes (+k: to the CPU lane, -k: to the GPU lane) while "
+                   "measuring " + ", ".join(f"{label} ({med:+g} typically, {most:+d} at most)"
+                                            for label, med, most in swung)
                    + ": those rows ran another split than the one predicted, so their step may differ from the "
                      "prediction for that reason")
     prof, runs = res.profile_steal, res.validation_steal()
