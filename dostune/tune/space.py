@@ -12,6 +12,7 @@ from ..optim.footprint import STATE_BYTES
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for
 from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
+from ..perfmodel.lanes import Regime
 from ..perfmodel.memory import GiB, grad_alloc_fractions, grad_ready_fractions
 from ..perfmodel.model import Prediction, best_gpu_fraction, gpu_count_for_share, predict
 from ..perfmodel.subgroups import subgroup_sizes
@@ -111,10 +112,10 @@ class Space:
     def _predict(self, c: Candidate, resident: int) -> Prediction:
         return self.predict_schedule(c.sub_group_size, self.schedule(c, resident))
 
-    def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig) -> Prediction:
-        """The model's prediction for any schedule at ``sub_group_size`` on this node and model."""
+    def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig, regime: Regime = "no_clip") -> Prediction:
+        """The model's prediction for any schedule at ``sub_group_size`` on this node and model, in ``regime``."""
         return predict(self.sizes(sub_group_size), sub_group_size, sched, self.coeffs, self.model,
-                       self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size))
+                       self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size), regime)
 
     def zero_offload(self) -> ZeroOffloadPrediction:
         """DeepSpeed's ZeRO-Offload at the model profile's sub_group_size, as this host's memory holds it (the form
