@@ -270,13 +270,9 @@ class ModelProfile(Record):
         return out
 
     def clipped(self, threshold: float) -> Optional[tuple[int, int]]:
-        """(how many, of how many) timed iterations had a gradient norm that clipping at ``threshold`` clips, by
-        DeepSpeed's test (norm + 1e-6 over the threshold, as its unscale_and_clip_grads scales); None where the profile
-        recorded no norm (schema 12 and older). A threshold of 0 clips nothing."""
-        norms = [x for x in self.grad_norms if x is not None]
-        if not norms:
-            return None
-        return (sum(threshold > 0 and x + 1e-6 > threshold for x in norms), len(norms))
+        """(how many, of how many) timed iterations clipping at ``threshold`` clips (``clipped_count``); None where the
+        profile recorded no norm (schema 12 and older)."""
+        return clipped_count(self.grad_norms, threshold)
 
     @property
     def offload_pinned(self) -> bool:
@@ -285,6 +281,16 @@ class ModelProfile(Record):
         if self.offload_pin_memory is not None:
             return self.offload_pin_memory
         return not any("pin_memory false" in note for note in self.notes)
+
+
+def clipped_count(norms: list[Optional[float]], threshold: float) -> Optional[tuple[int, int]]:
+    """(how many, of how many) of ``norms`` (None: a skipped step, not counted) clipping at ``threshold`` clips, by
+    DeepSpeed's test (norm + 1e-6 over the threshold, as its unscale_and_clip_grads scales); None without a norm. A
+    threshold of 0 clips nothing."""
+    known = [x for x in norms if x is not None]
+    if not known:
+        return None
+    return sum(threshold > 0 and x + 1e-6 > threshold for x in known), len(known)
 
 
 def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhaseProfile]:
