@@ -209,6 +209,8 @@ def test_the_pick_and_its_neighbours_run_in_one_interleaved_run_and_give_its_reg
     # clipping off: the no-clip predictions
     off = validate(res, 0, seq=1024, rounds=1, runner=BySchedule(fast=6), host_available=120 * 2**30, neighbours=near)
     assert all(v.regime == "no_clip" for v in off.rows) and off.regret == 1.0 and off.regret_best == "dostune #1"
+    assert off.rows[0].predicted_iter_s == pytest.approx(res.top[0].iter_in("no_clip"))
+    assert off.rows[0].predicted_iter_s < pick.predicted_iter_s  # the pick overlaps backward: clipping costs it
     # with --validate N as well: ZeRO-Offload and the N best first, then the neighbours, in the same rounds
     both = validate(res, 2, seq=1024, rounds=1, runner=BySchedule(fast=6), host_available=120 * 2**30,
                     neighbours=near)
