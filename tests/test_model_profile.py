@@ -57,6 +57,25 @@ def test_counts_and_phases(prof):
     assert prof.device == "cpu" or prof.phases["bwd"].free_gib is not None
 
 
+def test_the_gradient_norm_of_each_timed_iteration_against_the_clipping_it_ran_with(prof):
+    # DeepSpeed's global norm after each kept timed iteration (a freshly initialised model's), and the clipping of the
+    # profile's engine (TrainSettings' default)
+    assert len(prof.grad_norms) == prof.iterations and all(x is not None and x > 0 for x in prof.grad_norms)
+    assert prof.clip_threshold == 1.0
+    lowest, highest = min(prof.grad_norms), max(prof.grad_norms)
+    assert prof.clipped(lowest / 2) == (prof.iterations, prof.iterations)
+    assert prof.clipped(highest * 2) == (0, prof.iterations)
+    assert prof.clipped(0.0) == (0, prof.iterations)  # off: nothing clips
+
+
+def test_a_profile_from_before_the_norms_reads_with_none():
+    from dostune.profile.paths import profiles_dir
+
+    old = load_model_profile(profiles_dir() / "h200-pcie5-gpt2-1.3b-b8-s1024.json")
+    assert old.schema_version == 12 and old.grad_norms == [] and old.clip_threshold is None
+    assert old.clipped(1.0) is None
+
+
 def test_round_trip_and_plot(prof, tmp_path):
     path = save_record(prof, tmp_path / "m.json")
     assert load_model_profile(path) == prof
@@ -117,7 +136,7 @@ def test_schema_3_measures_the_models_coefficients(prof):
     from dostune.profile.record import load_node_profile
     from dostune.profile.step_parts import PROLOGUE
 
-    assert prof.schema_version == 12 and prof.offload_pin_memory is True and prof.offload_pinned
+    assert prof.schema_version == 13 and prof.offload_pin_memory is True and prof.offload_pinned
     # v12: the mode whose counts it took (the options' defaults: standard), and the node as the node profile names it
     assert prof.mode == "standard" and prof.node == f"cpu-{os.cpu_count()}c"
     assert prof.step_lane is None  # v10: measured beside copies, so only on a GPU (tests/test_profile_gpu.py)

@@ -16,7 +16,9 @@ from dostune.tune.validation_figure import plot_validation
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
-    res, _, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=12,
+    # scored without clipping, the regime of the validation's runs with clipping off (tests/test_tune_regime.py runs it
+    # with clipping on)
+    res, _, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=12, regime="no-clip",
                                      output_dir=tmp_path_factory.mktemp("tune")))
     return res
 

@@ -46,10 +46,14 @@ def _space(node_profile: str, model: str, model_profile: Optional[str], gpu_memo
 
 def predict_case(node_profile: str, case: dict) -> dict:
     """The case's predicted step and iteration seconds (iteration: None without a model profile) and subgroups, on the
-    shipped node profile ``node_profile``."""
+    shipped node profile ``node_profile``, in the regime without clipping, and the step, iteration and lane balance's
+    swing in the regime with it (clip_*)."""
     space = _space(node_profile, case["model"], case.get("model_profile"), case.get("gpu_memory_budget", "auto"))
-    p = space.predict_schedule(case["sub_group_size"], ScheduleConfig(**case.get("schedule", {})))
-    return {"step_s": p.step_s, "iter_s": p.iter_s, "subgroups": len(p.sizes)}
+    sched = ScheduleConfig(**case.get("schedule", {}))
+    p = space.predict_schedule(case["sub_group_size"], sched)
+    c = space.predict_schedule(case["sub_group_size"], sched, "clip")
+    return {"step_s": p.step_s, "iter_s": p.iter_s, "subgroups": len(p.sizes), "clip_step_s": c.step_s,
+            "clip_iter_s": c.iter_s, "clip_swing": c.swing}
 
 
 def compute(pinned: dict) -> dict:

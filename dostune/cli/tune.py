@@ -14,7 +14,8 @@ from ..tune.record import TuneResult
 from ..errors import DostuneError, NotAvailable
 from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
-from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune
+from ..tune.regime import NAMES
+from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune, trial_record
 from ..tune.search import output_dir as tune_output_dir
 from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
                      quiet_stdout, stop_code, stop_signal, stop_signals)
@@ -35,11 +36,12 @@ def render_summary(res: TuneResult) -> Table:
     w = res.world
     world = (f", one rank of {w['nodes']} node(s) x {w['gpus_per_node']} GPU(s)"
              if w["nodes"] * w["gpus_per_node"] > 1 else "")
+    scored = f", scored for {NAMES[res.regime]}" if res.regime else ""
     t = Table(title=f"{res.model} (micro-batch {res.micro_batch}, {res.precision}) on {Path(res.node_profile).stem}"
-                    f"{world}: the best of {res.trials} trials, predicted")
+                    f"{world}: the best of {res.trials} trials, predicted{scored}")
     measured = {v.label: v for v in res.validation}
     cols = ["schedule", "sub_group_size", "GPU subgroups", "overlaps bwd", "peak GiB", "step s", "iteration s",
-            "speedup"]
+            "no-clip iter s", "clip iter s", "speedup"]
     if measured:
         cols += ["measured s", "measured speedup", "error"]
     for col in cols:
@@ -63,12 +65,38 @@ def render_summary(res: TuneResult) -> Table:
                f"{gpu_count(r.subgroups, s['gpu_fraction'])}/{r.subgroups}" + (f", {resident} resident" if resident
                                                                                  else ""),
                "yes" if s.get("overlap_backward") else "no", _f(p.peak_gpu_gib, "{:.1f}"), _f(p.step_s), _f(p.iter_s),
-               speedup(zo.iter_s if zo else None, p.iter_s)]
+               _f(r.iter_in("no_clip")), _f(r.iter_in("clip")), speedup(zo.iter_s if zo else None, p.iter_s)]
         t.add_row(*row, *(validated(measured.get(f"dostune #{k}"), zo_measured) if measured else []))
     if zo is not None:
         row = ["ZeRO-Offload", f"{res.ds_sub_group_size:.3g}", "-", "no", _f(zo.peak_gpu_gib, "{:.1f}"),
-               _f(zo.step_s), _f(zo.iter_s), "1.00x" if zo.iter_s else "-"]
+               _f(zo.step_s), _f(zo.iter_s), _f(zo.iter_s), _f(zo.iter_s), "1.00x" if zo.iter_s else "-"]
         t.add_row(*row, *(validated(zo_row, zo_measured) if measured else []))
+    if res.regret is not None:
+        t.caption = regret_line(res)
+    return t
+
+
+def regret_line(res: TuneResult) -> str:
+    """The pick's regret against its measured neighbourhood, in a line."""
+    ran = sum(v.method == "dostune" for v in res.validation)
+    if res.regret_best == "dostune #1":
+        return f"regret 1.00x: the pick measured fastest of the {ran} schedules measured"
+    return (f"regret {res.regret:.2f}x: the pick measured {res.regret - 1:.1%} slower than {res.regret_best}, the "
+            f"fastest of the {ran} schedules measured")
+
+
+def render_neighbourhood(res: TuneResult) -> Table:
+    """The pick and its neighbours as measured, each beside its prediction in the regime its runs were in."""
+    pick = next((v for v in res.validation if v.label == "dostune #1"), None)
+    clip = f"clipping at {res.validation_clip:g}" if res.validation_clip else "clipping off"
+    t = Table(title=f"the pick and its neighbours, measured ({clip})")
+    for col in ("schedule", "regime", "predicted s", "measured s", "vs the pick"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for v in res.validation:
+        if v.method != "dostune" or (v.neighbour is None and v is not pick):
+            continue
+        vs = _f(v.measured_iter_s / pick.measured_iter_s - 1, "{:+.1%}") if pick is not None and v is not pick else ""
+        t.add_row(v.label, (v.regime or "-").replace("_", "-"), _f(v.predicted_iter_s), _f(v.measured_iter_s), vs)
     return t
 
 
@@ -113,7 +141,8 @@ def render_breakdown(res: TuneResult) -> Table:
 
 
 def render_validation(res: TuneResult) -> Table:
-    t = Table(title="measured vs predicted (s; clipping off)")
+    clip = f"clipping at {res.validation_clip:g}" if res.validation_clip else "clipping off"
+    t = Table(title=f"measured vs predicted (s; {clip})")
     for col in ("schedule", "fwd pred/meas", "bwd pred/meas", "step pred/meas", "iter pred/meas", "iter error",
                 "step error", "meas peak GiB"):
         t.add_column(col, justify="right")
@@ -145,6 +174,16 @@ def tune(
     precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
     lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
     clip: float = typer.Option(1.0, min=0.0, help="Gradient clipping written into the emitted config (0: off)."),
+    regime: str = typer.Option("measured", help="Which steps the schedules are scored for. overlap_backward "
+                               "updates CPU-lane subgroups during backward on the guess that the step will not clip: "
+                               "where the global gradient norm stays under --clip the guess holds ('no-clip'); where "
+                               "it is over it, as on freshly initialised weights and early in training, the CPU lane "
+                               "does that work in the step instead ('clip'), and the same schedule's iteration can "
+                               "take a third longer. 'measured' (default) compares the gradient norms the model "
+                               "profile recorded (a freshly initialised model's) with --clip; pass 'no-clip' to "
+                               "fine-tune pretrained weights whose norm stays under it, 'clip' to train from scratch, "
+                               "'both' when you cannot tell (the schedule whose slower regime is fastest). The table "
+                               "shows every schedule's iteration in both."),
     target: str = typer.Option("deepspeed", "--for", help="Who reads ds_config.json: 'deepspeed' (deepspeed.initialize, "
                                "dostune train; every value concrete), 'trainer' (the Hugging Face Trainer: \"auto\" for "
                                "batch sizes, gradient accumulation and clipping, the optimizer's lr/betas/eps/weight "
@@ -157,10 +196,10 @@ def tune(
     study_name: Optional[str] = typer.Option(None, help="Study name (default: NODE-MODEL-bB). Re-running with the "
                                              "same name resumes the study."),
     validate: int = typer.Option(0, min=0, help="On a GPU: run the N best schedules (and ZeRO-Offload) for real, "
-                                 "gradient clipping off as the model predicts, and report measured against predicted "
-                                 "per phase (tune.json's validation, validation.png; the measurements themselves in "
-                                 "validation-bench.json). The config is written before it starts; Ctrl-C or SIGTERM "
-                                 "keeps the rounds that finished."),
+                                 "gradient clipping off unless --validate-clip says, and report measured against "
+                                 "predicted per phase (tune.json's validation, validation.png; the measurements "
+                                 "themselves in validation-bench.json). The config is written before it starts; "
+                                 "Ctrl-C or SIGTERM keeps the rounds that finished."),
     validate_rounds: int = typer.Option(2, min=1, help="With --validate: measure every method this many times, the "
                                         "order reversed every other round (as bench --rounds), each row the median "
                                         "of all its rounds' iterations. One process per row measures the host's "
@@ -169,6 +208,18 @@ def tune(
                                        "after 2 of warm-up. A schedule that overlaps backward ends in a short step "
                                        "that swings 2x from one iteration to the next: 12 in each of 2 rounds hold a "
                                        "row's median step to about 6%, where 4 held it to about 10%."),
+    neighbours: bool = flag(False, "--neighbours", help="On a GPU: run the pick beside its neighbours, the schedules "
+                            "one step from it either way in each main knob (one GPU-lane subgroup fewer and more, the "
+                            "next smaller and larger sub_group_size, one resident subgroup fewer and more, "
+                            "overlap_backward switched; those predicted over the memory limits left out), in the same "
+                            "interleaved rounds as --validate, and record the pick's regret: its measured iteration "
+                            "over the fastest measured (tune.json's regret; 1.00x: the pick was fastest). With or "
+                            "without --validate."),
+    validate_clip: float = typer.Option(0.0, min=0.0, help="With --validate or --neighbours: the gradient clipping "
+                                        "the runs train with (0: off, the default). Each row stands beside the "
+                                        "prediction of the regime its steps are in, which the model profile's "
+                                        "gradient norms tell at this threshold: pass the config's --clip to measure "
+                                        "the steps its training will take from freshly initialised weights."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node the config will train on: "
                                            "what you pass to DeepSpeed's launcher as `deepspeed --num_gpus N` (or the "
                                            "slots=N of each hostfile line). One rank per GPU; the model predicts one "
@@ -209,20 +260,22 @@ def tune(
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget,
                        max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),
-                       micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, output_dir=output_dir,
+                       micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, regime=regime,
+                       output_dir=output_dir,
                        storage=storage, study_name=study_name, target=target,
                        activation_checkpointing=activation_checkpointing, num_gpus=num_gpus, nodes=nodes,
                        hostfile=hostfile, host_memory_budget=host_memory_budget)
     check_options(opts)
-    if validate:
+    if validate or neighbours:
+        what = "--validate" if validate else "--neighbours"
         if opts.world().size > 1:
-            raise DostuneError("--validate runs the schedules in this one process, not in the world tuned for",
+            raise DostuneError(f"{what} runs the schedules in this one process, not in the world tuned for",
                                hint="measure them under the launcher: deepspeed --num_gpus N --module dostune.bench "
                                     "--config ds_config.json (docs/multi-gpu.md)")
         if not cuda_available():
-            raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU",
-                               hint="leave out --validate on this machine")
-        need_deepspeed("dostune tune --validate")
+            raise NotAvailable(f"{what} runs the schedules for real and needs a CUDA GPU",
+                               hint=f"leave out {what} on this machine")
+        need_deepspeed(f"dostune tune {what}")
     with RichProgress() as progress:
         res, ds_config, space = run_tune(opts, progress)
     out = tune_output_dir(opts)
@@ -234,18 +287,25 @@ def tune(
 
     sched = ScheduleConfig.model_validate(best.schedule)
     # the prediction the search scored: with overlap_backward, the CPU lane's work under backward included
-    spans = space.predict_schedule(best.sub_group_size, sched).step.spans
+    spans = space.predict_schedule(best.sub_group_size, sched, best.predicted.regime or "no_clip").step.spans
     png = plot_timeline(spans, out / "timeline.png", f"predicted update: {model}, sub_group_size "
                         f"{best.sub_group_size:.3g}, {gpu_count(best.subgroups, sched.gpu_fraction)}/{best.subgroups} "
                         "subgroups on the GPU")
     stopped = None
-    if validate:
+    if validate or neighbours:
         from ..tune.validate import validate as run_validation, validation_details
 
+        near = []
+        if neighbours:
+            found, left_out = space.neighbours(best.sub_group_size, sched)
+            near = [(label, trial_record(space, p)) for label, p in found]
+            res.details += [f"neighbour left out of the run: {line}" for line in left_out]
         with RichProgress() as progress, quiet_stdout(), stop_signals() as got:
             run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters, rounds=validate_rounds,
-                                 progress=progress, activation_checkpointing=activation_checkpointing)
-        res.validation = run.rows
+                                 progress=progress, activation_checkpointing=activation_checkpointing,
+                                 clip=validate_clip, neighbours=near)
+        res.validation, res.validation_clip = run.rows, validate_clip
+        res.regret, res.regret_best = run.regret, run.regret_best
         res.validation_bench = str(save_record(run.bench, out / "validation-bench.json"))
         if run.stopped:
             res.notes.append(run.stopped)
@@ -272,6 +332,8 @@ def tune(
                           f"memory together" + (f" (budget {res.host_budget_gib:.1f} GiB)"
                                                 if res.host_budget_gib is not None else ""), highlight=False)
     err_console.print(render_summary(res))
+    if res.regret is not None:
+        err_console.print(render_neighbourhood(res))
     figure = f"; measured against predicted: {res.validation_figure}" if res.validation_figure else ""
     err_console.print(f"DeepSpeed config (schedule #1): [bold]{cfg_path}[/]; record: {out / 'tune.json'}; predicted "
                       f"step: {png}{figure}" + ("" if verbose else "; --verbose prints every trial, phase and detail"),

@@ -4,7 +4,8 @@ A step is simulated as the optimizer runs it: the GPU lane's transfers queue on 
 engines in order (the H2D engine serves copies in submission order, so CPU-lane uploads wait behind the
 GPU lane's inputs, as traced on the H100), the GPU kernel follows each input, the CPU lane runs subgroup
 after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload follows its update. ``predict`` puts
-the step beside dostune's own backward (backward.py), with the CPU lane of ``overlap_backward`` under it. Every
+the step beside dostune's own backward (backward.py), with the CPU lane of ``overlap_backward`` under it where its
+speculation succeeds (the ``no_clip`` regime), or in the step where clipping stops it (``clip``, lanes.py). Every
 coefficient comes from the profiles (coefficients.py).
 """
 from __future__ import annotations
@@ -13,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..optim.footprint import GRAD_BYTES, STATE_BYTES, cpu_lane_reach, half_ring_count
-from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fraction_for, make_plan
+from ..optim.balance import LaneTimes, lane_times, settled_swing
+from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fraction_for, make_plan, updates_in_backward
 from .backward import BackwardPrediction, dostune_backward, dostune_grad_bytes
 from .coefficients import Coefficients, StepShape
 from .inputs import ModelInputs, NodeInputs
+from .lanes import Regime, lent_subgroups, speculating_subgroups, speculative_count
 from .memory import MemoryPrediction, predict_memory
 
 # How often backward and the CPU lane under it are worked out against each other (backward.py): the lane's time in
@@ -123,30 +126,39 @@ def _compose(*segment_lists: Sequence[tuple[float, float, float]]) -> list[tuple
 def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, overhead_s: float = 0.0,
                   iterations: int = 4, backward_s: Optional[float] = None,
                   ready_fraction: Optional[Sequence[float]] = None, plan: Optional[Plan] = None,
-                  shape: StepShape = StepShape(), grad_bytes: Optional[Sequence[int]] = None) -> StepPrediction:
+                  shape: StepShape = StepShape(), grad_bytes: Optional[Sequence[int]] = None,
+                  regime: Regime = "no_clip", speculative: Optional[int] = None) -> StepPrediction:
     """The step of ``sched`` over subgroups of ``sizes``, run as the optimizer runs ``plan`` (its lanes, order and
-    staging chain; ``make_plan``'s by default).
+    staging chain; ``make_plan``'s by default) in ``regime`` (lanes.py).
 
     With ``overlap_backward`` and both the backward time ``backward_s`` and ``ready_fraction`` (how far into
-    backward each subgroup's gradients are all final, 0..1) known, the CPU lane starts each subgroup at that moment
-    (times before 0 are during backward, where it runs with its backward thread count, ``lane_backward_slowdown``
-    times slower than at the node's rates), produces half precision itself and uploads 2 bytes per element; only
-    what is left at 0 adds to the step. Backward's gradient copies to the host (``grad_bytes`` per subgroup,
-    backward.py) slow the lane there as the step's copies do: each subgroup's bytes stream in the stretch of backward
-    that finalises its gradients (``gradient_copy_spans``).
+    backward each subgroup's gradients are all final, 0..1) known, the CPU lane is dostune's worker: it produces half
+    precision itself and uploads 2 bytes per element. It takes the ``speculative`` CPU-lane subgroups whose gradients
+    are final first (None: all; lanes.speculating_subgroups); DeepSpeed's own update takes the others in the step,
+    after them, at the node's rates. In ``no_clip`` the worker starts each of its subgroups at the moment its gradients
+    are final (times before 0 are during backward, where it runs with its backward thread count,
+    ``lane_backward_slowdown`` times slower than at the node's rates); only what is left at 0 adds to the step.
+    Backward's gradient copies to the host (``grad_bytes`` per subgroup, backward.py) slow the lane there as the
+    step's copies do: each subgroup's bytes stream in the stretch of backward that finalises its gradients
+    (``gradient_copy_spans``). In ``clip`` the partial norm stopped the worker at its first subgroup: it updates every
+    one of them in the step, at the step's threads, as it recomputes them.
 
     Time 0 is where DeepSpeed's step prologue ends (``prologue_share`` of ``overhead_s``); the states of the
     GPU lane's first ``staging_buffers`` streamed subgroups start coming in at the step's start, before it, and the
     lanes may compute from where the gradient norm is known, before the parameter release that ends the prologue
     (``release_share`` of ``overhead_s``); the step cannot end before the release does. The
     first ``resident_subgroups`` GPU-lane subgroups keep their states on the GPU: no copy in or out, and they go
-    first."""
+    first. A CPU-lane subgroup that ``plan`` streams through the GPU lane (a swing of the lane balance towards the GPU)
+    brings its gradients in with its states."""
     threads = inp.threads_near(sched.cpu_threads or inp.default_threads)
-    plan = plan or make_plan(len(sizes), sched)
+    base = make_plan(len(sizes), sched)  # the lanes as tuned, before any swing: the lane's ring is sized for them
+    plan = plan or base
     cpu = list(plan.cpu_order)
     nbuf = sched.staging_buffers
-    in_bytes = STATE_BYTES + (0 if sched.grads_on_gpu else GRAD_BYTES)
-    up_bytes = 4 if sched.upload == "gpu_convert" else 2
+    lent = lent_subgroups(plan, sched)
+
+    def in_bytes(i: int) -> int:
+        return STATE_BYTES + (0 if sched.grads_on_gpu and i not in lent else GRAD_BYTES)
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
     # Host-to-device copies read host memory, which the CPU lane streams through while it computes: with a CPU lane
@@ -154,7 +166,8 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     # inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU.
     under_cpu = inp.h2d_under_cpu if cpu else 1.0
     h2d_alone, h2d_duplex = inp.h2d.at_rate(under_cpu), inp.h2d_duplex.at_rate(under_cpu)
-    bwd = backward_s if overlap else 0.0
+    in_backward = overlap and regime == "no_clip"  # whether the worker updates anything during backward
+    bwd = backward_s if in_backward else 0.0
     prologue = shape.prologue_share * overhead_s
     release = min(shape.release_share, shape.prologue_share) * overhead_s
 
@@ -173,9 +186,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
         start = max(h2d_free, ready, -prologue)
         rate = h2d_duplex if n > 0 else h2d_alone  # the previous subgroup's write-back runs alongside
-        end = start + rate.t(in_bytes * s)
+        end = start + rate.t(in_bytes(i) * s)
         if end > start:
-            spans.append(SimSpan("h2d", i, start, end, in_bytes * s / (end - start) / 1e9))
+            spans.append(SimSpan("h2d", i, start, end, in_bytes(i) * s / (end - start) / 1e9))
         h2d_free = end
         c0 = max(end, comp_free, -release)
         comp_free = c0 + inp.gpu_adam.t(s)
@@ -189,32 +202,36 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
-    if overlap:  # the worker takes subgroups as backward finalises them: the last layers first
-        cpu = sorted(cpu, key=lambda j: (ready_fraction[j], -j))
-        up_bytes = 2
+    # The worker (overlap_backward) takes its subgroups as backward finalises them, the last layers first; DeepSpeed's
+    # own update takes the rest in index order.
+    takes = set(speculating_subgroups(plan, speculative)) if overlap else set()
+    worker = sorted(takes, key=lambda j: (ready_fraction[j], -j))
+    in_place = [j for j in cpu if j not in takes]
     # overlap_backward's lane (dostune's own kernel) works lane_step_slowdown times the node's CPU-lane seconds at the
     # step's thread count, slowed beside DMA by lane_step_contention where measured; during backward it runs with one
     # thread fewer (ScheduleConfig.backward_cpu_threads) and lane_backward_slowdown times the node's seconds at that
     # count
-    step_factor = shape.lane_step_slowdown if overlap else 1.0
+    step_factor = shape.lane_step_slowdown
     # The CPU lane's results go up from a ring of pinned buffers; a buffer is written again only once its last upload
     # has left, so the lane's n-th subgroup waits for upload n - ring, and those uploads queue behind the GPU lane's
     # inputs. On the H100 a llama 2B step's CPU lane stood 40 ms until the GPU lane's last input was in.
-    ring = upload_ring(sizes, plan, overlap, sched.upload)
+    rings = {True: upload_ring(sizes, base, True, sched.upload), False: upload_ring(sizes, base, False, sched.upload)}
     bthreads = sched.backward_cpu_threads or max(1, (sched.cpu_threads or inp.default_threads) - 1)
     in_bwd = shape.lane_backward_slowdown / step_factor * inp.cpu_lane_per_element(bthreads) \
         / inp.cpu_lane_per_element(threads)
-    bwd_segment = [(-bwd, 0.0, in_bwd)] if overlap else []
-    grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if overlap and grad_bytes else []
-    step_contention = shape.lane_step_contention if overlap else None
+    bwd_segment = [(-bwd, 0.0, in_bwd)] if in_backward else []
+    grad_spans = gradient_copy_spans(grad_bytes, ready_fraction, bwd, inp) if in_backward and grad_bytes else []
+    step_contention = shape.lane_step_contention
 
-    def slowdowns_of(traffic: list[SimSpan]) -> list[tuple[float, float, float]]:
-        """The lane's slowdowns: beside backward, and beside DMA by the node's contention (DeepSpeed's CPU Adam), in
-        the step by the lane's own where the model profile measured it."""
+    def slowdowns_of(traffic: list[SimSpan]) -> dict[bool, list[tuple[float, float, float]]]:
+        """The lanes' slowdowns, the worker's (True) and DeepSpeed's update's (False): the worker's beside backward,
+        and beside DMA by the node's contention (DeepSpeed's CPU Adam), in the step by the lane's own where the model
+        profile measured it; DeepSpeed's update beside DMA by the node's."""
         dma = _dma_segments(traffic, inp.contention, inp.contention_gbps)
+        lane = dma
         if step_contention is not None:
-            dma = _clip(dma, -float("inf"), 0.0) + _clip(_dma_segments(traffic, *step_contention), 0.0, float("inf"))
-        return _compose(bwd_segment, dma)
+            lane = _clip(dma, -float("inf"), 0.0) + _clip(_dma_segments(traffic, *step_contention), 0.0, float("inf"))
+        return {True: _compose(bwd_segment, lane), False: dma}
 
     slowdowns = slowdowns_of(spans + grad_spans)
     cpu_spans: list[SimSpan] = []
@@ -222,29 +239,37 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     for _ in range(max(1, iterations)):
         t = -bwd
         cpu_spans, up_spans = [], []
+        form_ups: dict[bool, list[SimSpan]] = {True: [], False: []}
         free, free_bwd = gpu_h2d_done, -bwd
-        for n, j in enumerate(cpu):
+        for j in worker + in_place:
+            w = j in takes
             s = sizes[j]
-            if overlap:
-                t = max(t, bwd * (ready_fraction[j] - 1.0))
-            if ring and n >= ring:
-                t = max(t, up_spans[n - ring].end)
-            work = step_factor * inp.cpu_lane_seconds(s, threads, "cpu_convert" if overlap else sched.upload)
-            end = _advance(t, work, slowdowns)
+            t = max(t, bwd * (ready_fraction[j] - 1.0)) if w and in_backward else max(t, 0.0)
+            ring, ups = rings[w], form_ups[w]
+            if ring and len(ups) >= ring:
+                t = max(t, ups[len(ups) - ring].end)
+            if w:
+                work = step_factor * inp.cpu_lane_seconds(s, threads, "cpu_convert")
+            else:
+                work = inp.cpu_lane_seconds(s, threads, sched.upload)
+            end = _advance(t, work, slowdowns[w])
             cpu_spans.append(SimSpan("cpu", j, t, end))
             t = end
+            up_bytes = 2 if w or sched.upload == "cpu_convert" else 4
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
                 u0 = max(free_bwd, end)
                 u1 = u0 + h2d_alone.t(up_bytes * s)
                 free_bwd = u1
-                up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9))
-                continue
-            u0 = max(free, end)
-            rate = h2d_duplex if u0 < d2h_free else h2d_alone
-            copy = rate.t(up_bytes * s)
-            u1 = u0 + copy + (inp.convert_gpu.t(s) if sched.upload == "gpu_convert" and not overlap else 0.0)
-            up_spans.append(SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9))
-            free = u1
+                up = SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9)
+            else:
+                u0 = max(free, end)
+                rate = h2d_duplex if u0 < d2h_free else h2d_alone
+                copy = rate.t(up_bytes * s)
+                u1 = u0 + copy + (inp.convert_gpu.t(s) if up_bytes == 4 else 0.0)
+                up = SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9)
+                free = u1
+            up_spans.append(up)
+            ups.append(up)
         slowdowns = slowdowns_of(spans + grad_spans + up_spans)
     spans = spans + cpu_spans + up_spans
     lanes_s = max(0.0, max((x.end for x in spans), default=0.0))
@@ -321,13 +346,15 @@ def best_gpu_fraction(total: int, inp: NodeInputs, threads: int, grads_on_gpu: b
 @dataclass
 class Prediction:
     schedule: ScheduleConfig
-    plan: Plan  # the optimizer's plan of the schedule, which the prediction simulates
+    plan: Plan  # the optimizer's plan of the schedule, which the prediction simulates (the lane balance's, in clip)
     sub_group_size: int
     sizes: list[int]
     step: StepPrediction
-    memory: MemoryPrediction
+    memory: MemoryPrediction  # of the schedule's own plan (the allowance the optimizer keeps over every swing)
     fwd_s: Optional[float]
     backward: Optional[BackwardPrediction]  # None without a model profile
+    regime: Regime = "no_clip"
+    swing: int = 0  # the lane balance's swing the prediction settled on (make_plan's; in clip)
 
     @property
     def bwd_s(self) -> Optional[float]:
@@ -357,38 +384,71 @@ def lane_busy_in_backward(step: StepPrediction, backward_s: float) -> float:
     return sum(max(0.0, min(x.end, 0.0) - max(x.start, -backward_s)) for x in step.spans if x.lane == "cpu")
 
 
+def simulated_lane_times(step: StepPrediction, plan: Plan, cost: dict) -> Optional[LaneTimes]:
+    """A simulated step's lane ends as the lane balance measures a step's (balance.lane_times): the CPU lane's updates
+    and the GPU lane's last kernel or copy, in seconds from the lanes' start."""
+    cpu = [(x.start, x.end) for x in step.spans if x.lane == "cpu"]
+    gpu_end = max((x.end for x in step.spans if x.lane in ("gpu", "h2d", "d2h")), default=0.0)
+    return lane_times(cpu, gpu_end, len(plan.gpu_slots), cost)
+
+
 def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, coeffs: Coefficients, m: ModelInputs,
-            grad_alloc: Optional[Sequence[float]] = None, grad_ready: Optional[Sequence[float]] = None) -> Prediction:
-    """The schedule's iteration: dostune's backward (backward.py) and the step simulated with the CPU lane under
-    that backward, worked out against each other (``BACKWARD_PASSES``)."""
+            grad_alloc: Optional[Sequence[float]] = None, grad_ready: Optional[Sequence[float]] = None,
+            regime: Regime = "no_clip") -> Prediction:
+    """The schedule's iteration in ``regime`` (lanes.py): dostune's backward (backward.py) and the step simulated with
+    the CPU lane under that backward, worked out against each other (``BACKWARD_PASSES``).
+
+    In ``clip`` the CPU lane works in the step alone, so backward runs without it beside, and with adaptive_swing the
+    lanes are those the lane balance settles on: its own rule (optim/balance.settled_swing), applied to the simulated
+    lane ends step after step from the tuned split, within the schedule's swing range both ways."""
     plan = make_plan(len(sizes), sched)
     node = coeffs.node
-
     b = coeffs.backward
-    grad_bytes = None  # backward's gradient copies, as traffic beside the CPU lane where its rate leaves them out
-    if b is not None and not coeffs.shape.lane_backward_with_copies:
-        grad_bytes = dostune_grad_bytes(sizes, plan, sched, b.grad_bytes, b.fp16)
+    speculative = speculative_count(sched)
+    lane_in_backward = sched.overlap_backward and grad_ready is not None and regime == "no_clip"
 
-    def step_with(bwd_s: Optional[float]) -> StepPrediction:
-        return simulate_step(sizes, sched, node, coeffs.overhead_s, backward_s=bwd_s, ready_fraction=grad_ready,
-                             plan=plan, shape=coeffs.shape, grad_bytes=grad_bytes)
+    def iteration(plan: Plan) -> tuple[Optional[BackwardPrediction], StepPrediction]:
+        grad_bytes = None  # backward's gradient copies, as traffic beside the CPU lane where its rate leaves them out
+        if b is not None and not coeffs.shape.lane_backward_with_copies:
+            grad_bytes = dostune_grad_bytes(sizes, plan, sched, b.grad_bytes, b.fp16)
 
-    backward = None
-    if coeffs.backward is not None:
-        backward = dostune_backward(coeffs.backward, node, sizes, plan, sched)
+        def step_with(bwd_s: Optional[float]) -> StepPrediction:
+            return simulate_step(sizes, sched, node, coeffs.overhead_s, backward_s=bwd_s, ready_fraction=grad_ready,
+                                 plan=plan, shape=coeffs.shape, grad_bytes=grad_bytes, regime=regime,
+                                 speculative=speculative)
+
+        if b is None:
+            return None, step_with(m.bwd_s)
+        backward = dostune_backward(b, node, sizes, plan, sched)
         step = step_with(backward.bwd_s)
-        for _ in range(BACKWARD_PASSES if sched.overlap_backward and grad_ready is not None else 0):
+        for _ in range(BACKWARD_PASSES if lane_in_backward else 0):
             busy = lane_busy_in_backward(step, backward.bwd_s)
-            nxt = dostune_backward(coeffs.backward, node, sizes, plan, sched, busy)
+            nxt = dostune_backward(b, node, sizes, plan, sched, busy)
             settled = abs(nxt.bwd_s - backward.bwd_s) < 1e-4
             backward = nxt
             step = step_with(backward.bwd_s)
             if settled:
                 break
-    else:
-        step = step_with(m.bwd_s)
+        return backward, step
+
+    memory = predict_memory(sizes, sched, m, grad_alloc, plan)
+    backward, step = iteration(plan)
+    swing = 0
+    if regime == "clip" and sched.adaptive_swing and updates_in_backward(plan, sched):
+        runs, cost = {0: (plan, backward, step)}, {}
+
+        def times_at(k: int) -> Optional[LaneTimes]:
+            if k not in runs:
+                at = make_plan(len(sizes), sched, swing=k)
+                runs[k] = (at, *iteration(at))
+            at, _, st = runs[k]
+            return simulated_lane_times(st, at, cost)
+
+        swing = settled_swing(times_at, len(plan.swing_candidates), len(plan.lend_candidates))
+        times_at(swing)  # the settled split's own run (the cap can end the search on a split not yet simulated)
+        plan, backward, step = runs[swing]
     return Prediction(schedule=sched, plan=plan, sub_group_size=sub_group_size, sizes=list(sizes), step=step,
-                      memory=predict_memory(sizes, sched, m, grad_alloc, plan), fwd_s=m.fwd_s, backward=backward)
+                      memory=memory, fwd_s=m.fwd_s, backward=backward, regime=regime, swing=swing)
 
 
 def gpu_count_for_share(sizes: Sequence[int], share: float, placement: str = "first") -> int:

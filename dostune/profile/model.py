@@ -9,6 +9,7 @@ the step timed again in a second window (model_record.StepWindow).
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import threading
 import time
@@ -290,9 +291,10 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     progress.start(f"{opts.model}: {opts.warmup} warm-up + {opts.iters} profiled iterations + 1 recorded", total)
     backward_s = 0.0
 
-    def iteration(timed: bool = False, last: bool = False, peak: bool = True) -> tuple[dict[str, float], int, float]:
+    def iteration(timed: bool = False, last: bool = False,
+                  peak: bool = True) -> tuple[dict[str, float], int, float, Optional[float]]:
         """One iteration: its phases' seconds, its place among StepParts' closed steps and its step overhead (-1 and
-        0 untimed); ``peak``: a timed one counts towards the phases' memory peaks."""
+        0 untimed), and its gradient norm; ``peak``: a timed one counts towards the phases' memory peaks."""
         nonlocal backward_s
         batch = spec.batch(opts.micro_batch, opts.seq, gen, engine.device)
         sync_device()
@@ -328,7 +330,7 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                     peaks_res[ph] = max(peaks_res[ph], torch.cuda.max_memory_reserved() / GiB)
         rec.active = False
         progress.advance()
-        return secs, closed, step_overhead
+        return secs, closed, step_overhead, grad_norm(engine)
 
     # iterations the hypervisor took from are set aside and run again (QuietRuns): every rate the model takes from
     # this profile is then the machine's own, as the runs checked against it keep theirs
@@ -350,9 +352,10 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         if pcie:  # the traffic of the iterations above alone: the probes and the later window leave its phase label
             pcie.stop_flag.set()
         kept = timed_runs.kept()
-        times = {ph: [secs[ph] for secs, _, _ in kept] for ph in peaks}
-        overheads = [o for _, _, o in kept]
-        overhead.keep_steps([closed for _, closed, _ in kept])
+        times = {ph: [secs[ph] for secs, *_ in kept] for ph in peaks}
+        overheads = [o for _, _, o, _ in kept]
+        grad_norms = [norm for *_, norm in kept]
+        overhead.keep_steps([closed for _, closed, *_ in kept])
         grad_ready = ready.per_subgroup()
         opt = engine.optimizer
         subgroups = [SubgroupProfile(index=i, numel=int(opt.fp16_partitioned_groups_flat_numel[i]),
@@ -388,12 +391,12 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                 later_runs.start()
                 later_runs.stop(iteration(timed=True, peak=False))
             later = later_runs.kept()
-            overhead.keep_steps([closed for _, closed, _ in later])
+            overhead.keep_steps([closed for _, closed, *_ in later])
             _, later_adam, later_unscale = overhead.summary([s.numel for s in subgroups])
             # under the launcher the slowest rank's step, as the first window's phases
-            later_step = max(gather_ranks(Stat.of([secs["step"] for secs, _, _ in later])), key=lambda t: t.median)
+            later_step = max(gather_ranks(Stat.of([secs["step"] for secs, *_ in later])), key=lambda t: t.median)
             later_window = StepWindow(after_s=round(after_s, 3), step_s=later_step,
-                                      step_overhead_s=max(gather_ranks(Stat.of([o for _, _, o in later]).median)),
+                                      step_overhead_s=max(gather_ranks(Stat.of([o for _, _, o, _ in later]).median)),
                                       ds_cpu_adam=later_adam, ds_unscale=later_unscale, steal=later_runs.share,
                                       set_aside=later_runs.set_aside())
     finally:
@@ -459,7 +462,17 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
         step_parts_s=step_parts, ds_cpu_adam=ds_cpu_adam, ds_unscale=ds_unscale, steal=timed_runs.share,
         set_aside=timed_runs.set_aside(), probes_set_aside=probes.set_aside, probe_seconds=probe_seconds,
         probe_forward_s=probes.forward, probe_rounds=probes.rounds, step_lane=step_lane, later_window=later_window,
-        notes=notes)
+        grad_norms=grad_norms, clip_threshold=train.clip, notes=notes)
+
+
+def grad_norm(engine) -> Optional[float]:
+    """The global gradient norm DeepSpeed computed for clipping at the engine's last step, unscaled (the same on every
+    rank); None for a step it skipped (an overflow) or where the engine did not compute one."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    norm = float(norm)
+    return norm if math.isfinite(norm) else None
 
 
 def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world: World = World()) -> str:

@@ -37,8 +37,10 @@ from .record import Series
 # Older profiles load with none: the model takes the step from the first timed iterations alone then.
 # 12: mode (standard or thorough: the counts the profile started from; ``iterations`` and ``probe_seconds`` say what
 # it took). Older profiles load with none.
-MODEL_SCHEMA_VERSION = 12
-MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12)
+# 13: grad_norms, clip_threshold (the global gradient norm of each timed iteration, and the clipping it ran with: whether
+# training clips, which decides whether overlap_backward's speculation holds). Older profiles load with none.
+MODEL_SCHEMA_VERSION = 13
+MODEL_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13)
 MODEL_KIND = "dostune.model-profile"
 # How much a model profile measured: "standard" (`dostune profile --model`) or "thorough" (--thorough, for validation
 # work: more iterations, the backward probes over a minute)
@@ -240,6 +242,11 @@ class ModelProfile(Record):
     step_lane: Optional[StepLaneProfile] = None  # v10, on a GPU (step_lane.py)
     # v11. The step timed again after the backward probes (one rank's; under the launcher the slowest rank's step)
     later_window: Optional[StepWindow] = None
+    # v13. The global gradient norm DeepSpeed computed for clipping in each kept timed iteration, unscaled, in the order
+    # run (None for a step it skipped: an overflow), and the clipping threshold those iterations ran with (0: off).
+    # The model is freshly initialised, so these are the norms of a training's first steps.
+    grad_norms: list[Optional[float]] = Field(default_factory=list)
+    clip_threshold: Optional[float] = None
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -262,6 +269,11 @@ class ModelProfile(Record):
                 out[name] = (q3 - q1) / statistics.median(xs)
         return out
 
+    def clipped(self, threshold: float) -> Optional[tuple[int, int]]:
+        """(how many, of how many) timed iterations clipping at ``threshold`` clips (``clipped_count``); None where the
+        profile recorded no norm (schema 12 and older)."""
+        return clipped_count(self.grad_norms, threshold)
+
     @property
     def offload_pinned(self) -> bool:
         """Whether ZeRO-Offload ran with page-locked host buffers: the v3 field, else (older profiles) the note that
@@ -269,6 +281,16 @@ class ModelProfile(Record):
         if self.offload_pin_memory is not None:
             return self.offload_pin_memory
         return not any("pin_memory false" in note for note in self.notes)
+
+
+def clipped_count(norms: list[Optional[float]], threshold: float) -> Optional[tuple[int, int]]:
+    """(how many, of how many) of ``norms`` (None: a skipped step, not counted) clipping at ``threshold`` clips, by
+    DeepSpeed's test (norm + 1e-6 over the threshold, as its unscale_and_clip_grads scales); None without a norm. A
+    threshold of 0 clips nothing."""
+    known = [x for x in norms if x is not None]
+    if not known:
+        return None
+    return sum(threshold > 0 and x + 1e-6 > threshold for x in known), len(known)
 
 
 def slowest_phases(per_rank: list[dict[str, PhaseProfile]]) -> dict[str, PhaseProfile]:

@@ -10,8 +10,11 @@ from ..records import Record
 # 2: world, host_budget_gib; 3: backward's parts in PredictedTimes, ZeRO-Offload's form, the validation's phases and
 # figure; 4: the host's steal in the model profile and in each validated run; 5: the timed iterations each set aside
 # for steal; 6: each validated row's per-round medians; 7: the swing in each of a validated row's timed iterations;
-# 8: details, the notes `dostune tune` prints only with --verbose (every new field optional: older files still parse)
-TUNE_SCHEMA_VERSION = 8
+# 8: details, the notes `dostune tune` prints only with --verbose; 9: the regime (each prediction's, each trial's in
+# both, the one the pick was scored for, the clipping and the model profile's gradient norms it was decided from, each
+# validated row's), the validation's clipping and the pick's regret against its neighbours (every new field optional:
+# older files still parse)
+TUNE_SCHEMA_VERSION = 9
 TUNE_KIND = "dostune.tune-result"
 
 
@@ -37,6 +40,11 @@ class PredictedTimes(Record):
     bwd_interference_s: Optional[float] = None
     pinned: Optional[bool] = None  # ZeRO-Offload only: with page-locked host buffers (pin_memory)
     measured_step: Optional[bool] = None  # ZeRO-Offload only: its step is the model profile's measurement
+    # v9. dostune only: the regime predicted (perfmodel/lanes.py: no_clip or clip; None in older files, no_clip then),
+    # and the lane balance's swing the prediction settled on there (make_plan's sign: > 0 moved GPU-lane subgroups to
+    # the CPU lane)
+    regime: Optional[str] = None
+    swing: Optional[int] = None
 
 
 class TrialRecord(Record):
@@ -44,8 +52,17 @@ class TrialRecord(Record):
     sub_group_size: int
     subgroups: int
     schedule: dict  # the dostune section
-    predicted: PredictedTimes
+    predicted: PredictedTimes  # in the regime it was scored by (for both, the slower of the two)
     feasible: bool = True
+    # v9. The schedule's prediction in each regime, by name (no_clip, clip)
+    regimes: dict[str, PredictedTimes] = Field(default_factory=dict)
+
+    def iter_in(self, regime: str) -> Optional[float]:
+        """The predicted iteration in ``regime`` (the scored prediction's in an older file, which has only that)."""
+        p = self.regimes.get(regime)
+        if p is None and (self.predicted.regime or "no_clip") == regime:
+            p = self.predicted
+        return p.iter_s if p is not None else None
 
 
 def relative_error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
@@ -96,6 +113,10 @@ class Validation(Record):
     # swing. The prediction is of the tuned split, which the swing leaves as it is until the lanes' measured times
     # disagree with it
     measured_swing: Optional[list[int]] = None
+    # v9. The regime whose prediction the row holds (the one its runs were in, by the clipping they ran with), and
+    # which of the pick's neighbours it is ("GPU lane 3/14", say; None for the pick and the other best schedules)
+    regime: Optional[str] = None
+    neighbour: Optional[str] = None
 
     def swung(self) -> Optional[tuple[float, int]]:
         """(median, farthest from 0) swing over the timed iterations; None where it moved nothing or nothing was
@@ -173,6 +194,19 @@ class TuneResult(Record):
     # v8. What the search and the validation found beyond the notes (which profile was read, the rates it stood in,
     # the validation's host diagnostics): printed with --verbose
     details: list[str] = Field(default_factory=list)
+    # v9. What the schedules were scored for (no_clip, clip, or both: the worse of the two), the emitted config's
+    # gradient clipping, and the model profile's timed iterations' gradient norms (None: no model profile; empty: one
+    # from before they were recorded)
+    regime: Optional[str] = None
+    clip: Optional[float] = None
+    profile_grad_norms: Optional[list[Optional[float]]] = None
+    # v9. The clipping the validation ran with (0: off)
+    validation_clip: Optional[float] = None
+    # v9. With tune --neighbours: the pick's measured iteration (pooled median over the rounds) over the best measured
+    # among the pick, its neighbours and any other validated schedule (1.0: the pick measured best), and the best's
+    # label
+    regret: Optional[float] = None
+    regret_best: Optional[str] = None
 
     @property
     def median_iter_error(self) -> Optional[float]:

@@ -30,7 +30,8 @@ from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
-from .space import GPU_SHARE, Candidate, Space
+from .regime import NAMES, Scoring, check_regime, scoring
+from .space import GPU_SHARE, Space
 from .world import check_model_profile_world, check_node_gpus, find_model_profile, host_budget, resolve_world
 
 SAMPLERS = ("tpe", "random", "qmc")
@@ -56,6 +57,7 @@ class TuneOptions:
     study_name: Optional[str] = None
     lr: float = 1e-4
     clip: float = 1.0
+    regime: str = "measured"  # what the schedules are scored in (tune/regime.py): measured, clip, no-clip or both
     target: Target = "deepspeed"  # who reads the emitted config (dsconfig.hf_config)
     activation_checkpointing: bool = False  # the emitted config carries DeepSpeed's activation_checkpointing section
     num_gpus: Optional[int] = None  # GPUs (ranks) per node; default 1, or the hostfile's slots
@@ -190,7 +192,18 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
                                                   "--host-memory-budget in GiB if the node has more")
     # after the host check: a model whose state no schedule fits is refused before asking for its model profile
     space.budget_gib = _budget(opts, m, model_path, node_path, node_p.name)
+    space.regime = scored_regime(opts, model_p)
     return space, node_p, node_path, model_p, model_path, m
+
+
+def scored_regime(opts: TuneOptions, model_p: Optional[ModelProfile]) -> Scoring:
+    """The regime the search scores in for ``opts.regime`` (tune/regime.py), with why among the details and, where
+    the user may want another, a note."""
+    regime, why, note = scoring(opts.regime, opts.clip, model_p.grad_norms if model_p is not None else None)
+    opts.details.append(f"schedules scored for {NAMES[regime]} ({why})")
+    if note:
+        opts.notes.append(note)
+    return regime
 
 
 def predicted_times(p: Prediction) -> PredictedTimes:
@@ -201,7 +214,8 @@ def predicted_times(p: Prediction) -> PredictedTimes:
                           d2h_busy_s=s.d2h_busy_s, update_gelem_s=p.update_gelem_s, peak_gpu_gib=mem.peak_gpu_gib,
                           extra_step_gib=mem.extra_step_gib, extra_bwd_gib=mem.extra_bwd_gib,
                           pinned_host_gib=mem.pinned_host_gib, bwd_compute_s=b.compute_s if b else None,
-                          bwd_copies_s=b.copies_s if b else None, bwd_interference_s=b.interference_s if b else None)
+                          bwd_copies_s=b.copies_s if b else None, bwd_interference_s=b.interference_s if b else None,
+                          regime=p.regime, swing=p.swing)
 
 
 def zero_offload_times(z: ZeroOffloadPrediction, m: ModelInputs) -> PredictedTimes:
@@ -216,10 +230,12 @@ def zero_offload_times(z: ZeroOffloadPrediction, m: ModelInputs) -> PredictedTim
                           bwd_interference_s=0.0 if b else None, pinned=z.pinned, measured_step=z.measured_step)
 
 
-def trial_record(space: Space, c: Candidate, p: Prediction, number: Optional[int] = None) -> TrialRecord:
-    return TrialRecord(number=number, sub_group_size=c.sub_group_size, subgroups=len(p.sizes),
+def trial_record(space: Space, p: Prediction, number: Optional[int] = None) -> TrialRecord:
+    """A scored prediction in the record's form, beside its schedule's prediction in each regime."""
+    return TrialRecord(number=number, sub_group_size=p.sub_group_size, subgroups=len(p.sizes),
                        schedule=p.schedule.model_dump(exclude_none=True), predicted=predicted_times(p),
-                       feasible=space.feasible(p))
+                       feasible=space.feasible(p),
+                       regimes={g: predicted_times(x) for g, x in space.in_every_regime(p).items()})
 
 
 def _sampler(name: str, seed: int):
@@ -237,16 +253,17 @@ def _sampler(name: str, seed: int):
 # Bumped whenever the searched parameters or their scoring change (2: overlap_backward; 3: resident subgroups
 # filling the peak-memory allowance, and the step prefetch in the model; 4: one rank of a world, and the node's
 # pinned host memory as a constraint; 5: gpu_placement, and dostune's own backward in the model; 6: overlap_backward
-# schedules at the lane probe's threads alone), so that a stored study from an older search is not resumed as if its
-# trials had explored the new space.
-SEARCH_SPACE_VERSION = 6
+# schedules at the lane probe's threads alone; 7: the regime scored, clipping or not), so that a stored study from an
+# older search is not resumed as if its trials had explored the new space.
+SEARCH_SPACE_VERSION = 7
 
 
 def _problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
     key = {"space": SEARCH_SPACE_VERSION,
            "node": [node_p.name, node_p.created], "model": [opts.model, model_p.created if model_p else None],
            "budget": space.budget_gib, "peak": space.max_peak_gib, "sizes": space.sub_group_sizes,
-           "threads": space.threads, "world": space.world.as_config(), "host": space.host_budget_gib}
+           "threads": space.threads, "world": space.world.as_config(), "host": space.host_budget_gib,
+           "regime": space.regime}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -333,7 +350,7 @@ def ranked(space: Space, study) -> list[TrialRecord]:
         if c in seen:
             continue
         seen.add(c)
-        out.append(trial_record(space, c, space.evaluate(c), t.number))
+        out.append(trial_record(space, space.evaluate(c), t.number))
     return out
 
 
@@ -373,6 +390,7 @@ def check_options(opts: TuneOptions) -> None:
         raise DostuneError(f"--lr must be positive, got {opts.lr}")
     if not opts.clip >= 0:
         raise DostuneError(f"--clip must be 0 (off) or positive, got {opts.clip}")
+    check_regime(opts.regime, opts.clip)
     out = check_writable(output_dir(opts), "--output-dir", directory=True)
     for name in OUTPUT_FILES:
         check_writable(out / name, "--output-dir")
@@ -425,7 +443,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         raise DostuneError("no schedule met the GPU and host memory limits in the trials run",
                            hint="raise --gpu-memory-budget / --max-peak-increase / --host-memory-budget, or run more "
                                 "--trials")
-    closed = [trial_record(space, c, space.evaluate(c)) for c in space.closed_form_candidates()]
+    closed = [trial_record(space, space.evaluate(c)) for c in space.closed_form_candidates()]
     ds_sgs = space.ds_sub_group_size
     ds_pred = zero_offload_times(space.zero_offload(), m)
     result = TuneResult(
@@ -438,6 +456,7 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
         ds_sub_group_size=ds_sgs, world=world.as_config(), host_budget_gib=space.host_budget_gib,
         profile_steal=model_p.steal if model_p else None,
         profile_set_aside=model_p.set_aside.runs if model_p and model_p.set_aside else None,
-        notes=list(opts.notes), details=list(opts.details) + [n for n in space.coeffs.notes if n not in opts.details])
+        notes=list(opts.notes), details=list(opts.details) + [n for n in space.coeffs.notes if n not in opts.details],
+        regime=space.regime, clip=opts.clip, profile_grad_norms=model_p.grad_norms if model_p else None)
     return result, emit_config(top[0], micro_batch, precision, opts.lr, opts.clip, opts.target,
                                opts.activation_checkpointing, world), space

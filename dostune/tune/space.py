@@ -3,20 +3,22 @@ exhaustive reference."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
 from ..optim.footprint import STATE_BYTES
-from ..optim.schedule import ScheduleConfig, full_swing, gpu_fraction_for
+from ..optim.schedule import ScheduleConfig, full_swing, gpu_count, gpu_fraction_for, make_plan
 from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
+from ..perfmodel.lanes import REGIMES, Regime
 from ..perfmodel.memory import GiB, grad_alloc_fractions, grad_ready_fractions
 from ..perfmodel.model import Prediction, best_gpu_fraction, gpu_count_for_share, predict
 from ..perfmodel.subgroups import subgroup_sizes
 from ..perfmodel.world import World, node_pinned_gib
 from ..perfmodel.zero_offload import ZeroOffloadPrediction, predict_zero_offload
+from .regime import Scoring
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
@@ -25,6 +27,8 @@ UPLOADS = ("gpu_convert", "cpu_convert")
 # every k-th subgroup
 PLACEMENTS = ("first", "spread", "last")
 GPU_SHARE = "gpu_share"  # the GPU lane's share of the subgroups: a float in [0, 1] to Optuna, a count to a Candidate
+# what each of Space.violations measures, in its order
+LIMITS = ("the GPU memory budget of the step", "the peak GPU memory limit", "the node's pinned host memory")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class Space:
         self.node = self.coeffs.node  # with CPU Adam at the rates the model's engine ran it, where measured
         self._profile_subgroups = profile_subgroups
         self._fractions: dict[int, tuple[Optional[tuple[float, ...]], Optional[tuple[float, ...]]]] = {}
+        # what a candidate is scored by (tune/regime.py): its prediction in one regime, or the worse of the two
+        self.regime: Scoring = "no_clip"
 
     def sizes(self, sub_group_size: int) -> tuple[int, ...]:
         if sub_group_size not in self._sizes:
@@ -110,13 +116,18 @@ class Space:
                               overlap_backward=c.overlap_backward, resident_subgroups=resident, adaptive_swing=swing,
                               expected_subgroups=n)
 
-    def _predict(self, c: Candidate, resident: int) -> Prediction:
-        return self.predict_schedule(c.sub_group_size, self.schedule(c, resident))
+    def _predict(self, c: Candidate, resident: int, regime: Regime = "no_clip") -> Prediction:
+        return self.predict_schedule(c.sub_group_size, self.schedule(c, resident), regime)
 
-    def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig) -> Prediction:
-        """The model's prediction for any schedule at ``sub_group_size`` on this node and model."""
+    @property
+    def regimes(self) -> tuple[Regime, ...]:
+        """The regimes a candidate's score takes the worst of."""
+        return REGIMES if self.regime == "both" else (self.regime,)
+
+    def predict_schedule(self, sub_group_size: int, sched: ScheduleConfig, regime: Regime = "no_clip") -> Prediction:
+        """The model's prediction for any schedule at ``sub_group_size`` on this node and model, in ``regime``."""
         return predict(self.sizes(sub_group_size), sub_group_size, sched, self.coeffs, self.model,
-                       self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size))
+                       self.grad_alloc(sub_group_size), self.grad_ready(sub_group_size), regime)
 
     def zero_offload(self) -> ZeroOffloadPrediction:
         """DeepSpeed's ZeRO-Offload at the model profile's sub_group_size, as this host's memory holds it (the form
@@ -125,10 +136,71 @@ class Space:
                                     self.ds_sub_group_size)
 
     def evaluate(self, c: Candidate) -> Prediction:
-        """The candidate's prediction, with as many resident subgroups as the memory limits leave room for."""
-        p = self._predict(c, 0)
-        r = self.resident_room(c, p)
-        return self._predict(c, r) if r else p
+        """The candidate's prediction, with as many resident subgroups as the memory limits leave room for, in the
+        regime it is scored by (the slower of its two predictions where ``regime`` is both)."""
+        first = self._predict(c, 0, self.regimes[0])
+        r = self.resident_room(c, first)
+        return self.scored(c, r, first if not r else None)
+
+    def scored(self, c: Candidate, resident: int, known: Optional[Prediction] = None) -> Prediction:
+        """The candidate's prediction with ``resident`` resident subgroups in the regime it is scored by (``known``:
+        that prediction in one regime, already made)."""
+        preds = [known if known is not None and known.regime == g else self._predict(c, resident, g)
+                 for g in self.regimes]
+        return max(preds, key=lambda p: p.objective_s)
+
+    def in_every_regime(self, p: Prediction) -> dict[Regime, Prediction]:
+        """``p`` and its schedule's prediction in the other regime."""
+        return {g: p if g == p.regime else self.predict_schedule(p.sub_group_size, p.schedule, g) for g in REGIMES}
+
+    def candidate_of(self, sub_group_size: int, sched: ScheduleConfig) -> Candidate:
+        """The candidate whose schedule ``sched`` is (its resident subgroups aside)."""
+        return Candidate(sub_group_size=sub_group_size, gpu_count=gpu_count(len(self.sizes(sub_group_size)),
+                                                                            sched.gpu_fraction),
+                         staging_buffers=sched.staging_buffers, cpu_threads=sched.cpu_threads, upload=sched.upload,
+                         grads_on_gpu=sched.grads_on_gpu, overlap_backward=sched.overlap_backward,
+                         gpu_placement=sched.gpu_placement)
+
+    def neighbours(self, sub_group_size: int, sched: ScheduleConfig) -> tuple[list[tuple[str, Prediction]], list[str]]:
+        """The schedules one step from ``sched`` in each main knob, each either way where the space has the step: one
+        GPU-lane subgroup fewer and more, the next smaller and larger sub_group_size (the same share of the elements
+        on the GPU lane, and as many resident subgroups as the limits leave room for, as the search gives it), one
+        resident subgroup fewer and more, and overlap_backward switched. Returns ((label, scored prediction) of each
+        that meets the memory limits, a line for each that does not)."""
+        c, r = self.candidate_of(sub_group_size, sched), sched.resident_subgroups
+        sizes, n = self.sizes(sub_group_size), len(self.sizes(sub_group_size))
+        moves: list[tuple[str, Candidate, Optional[int]]] = []  # resident None: as the search fills them
+        for k in (c.gpu_count - 1, c.gpu_count + 1):
+            if 0 <= k <= n:
+                moves.append((f"GPU lane {k}/{n}", replace(c, gpu_count=k), min(r, k)))
+        share = sum(sizes[i] for i in make_plan(n, sched).gpu_subgroups) / sum(sizes)
+        ordered = sorted(self.sub_group_sizes)
+        at = ordered.index(sub_group_size) if sub_group_size in ordered else None
+        for j in ((at - 1, at + 1) if at is not None else ()):
+            if 0 <= j < len(ordered):
+                other = ordered[j]
+                k = gpu_count_for_share(self.sizes(other), share, c.gpu_placement)
+                moves.append((f"sub_group_size {other:.3g}", replace(c, sub_group_size=other, gpu_count=k), None))
+        for k in (r - 1, r + 1):
+            if 0 <= k <= c.gpu_count and (k == 0 or c.grads_on_gpu):
+                moves.append((f"{k} resident", c, k))
+        if c.overlap_backward or self.overlap_possible:
+            switched = not c.overlap_backward
+            moved = replace(c, overlap_backward=switched, **self.settled({"overlap_backward": switched}))
+            moves.append(("overlap_backward " + ("on" if switched else "off"), moved, r))
+        out, left_out, seen = [], [], {(sub_group_size, sched.model_dump_json())}
+        for label, moved, resident in moves:
+            p = self.evaluate(moved) if resident is None else self.scored(moved, resident)
+            key = (p.sub_group_size, p.schedule.model_dump_json())
+            if key in seen:
+                continue
+            seen.add(key)
+            if self.feasible(p):
+                out.append((label, p))
+            else:
+                over = [f"{what} by {v:.2f} GiB" for what, v in zip(LIMITS, self.violations(p)) if v > 0]
+                left_out.append(f"{label}: predicted over " + " and ".join(over))
+        return out, left_out
 
     def resident_room(self, c: Candidate, p: Prediction) -> int:
         """How many of the candidate's GPU-lane subgroups (in lane order) can keep their states on the GPU within the
@@ -144,7 +216,7 @@ class Space:
         if room == float("inf") or room <= 0:
             return 0
         count, used = 0, 0.0
-        for i in p.plan.gpu_subgroups:
+        for i in make_plan(len(p.sizes), p.schedule).gpu_subgroups:  # the tuned lanes, before any swing
             used += STATE_BYTES * p.sizes[i] / GiB
             if used > room:
                 break

@@ -1,10 +1,14 @@
 """`dostune tune --validate N`: run ZeRO-Offload and the N best schedules for real and put the measurements beside
 the predictions, phase by phase (the rows of tune.json's ``validation``; validation_figure.py draws them).
 
-They run with gradient clipping off: the model predicts steps that do not clip (with clipping, a step that clips
-redoes the CPU lane's updates made during backward, and a freshly initialised model clips every step), so that is
-what is measured. ZeRO-Offload runs in the form this host's memory holds (pin_memory off where its pinned buffers
-cannot fit), the form the model profile measured and the prediction assumes.
+They run with gradient clipping off by default, and each row beside the prediction of the regime its steps are in
+(perfmodel/lanes.py): off, no step clips; at a threshold (``clip``), the model profile's gradient norms say whether
+they do (a freshly initialised model's usually do: overlap_backward's CPU lane then works in the step). ZeRO-Offload
+runs in the form this host's memory holds (pin_memory off where its pinned buffers cannot fit), the form the model
+profile measured and the prediction assumes.
+
+With ``neighbours`` the pick runs beside the schedules one step from it in each main knob (Space.neighbours) in the
+same rounds, and ``regret`` is the pick's measured iteration over the best measured.
 
 They run in rounds, as ``dostune bench --rounds`` runs its methods: every method once per round, the order reversed
 every other round (ZeRO-Offload, #1, #2, ..., then ..., #2, #1, ZeRO-Offload), and each row is the median of all its
@@ -16,7 +20,7 @@ the schedule. The pooled measurements, each method's traced step included, are k
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from ..bench.record import BenchResult, MethodResult
 from ..bench.pool import pool_rounds
@@ -31,16 +35,18 @@ from ..optim.schedule import ScheduleConfig
 from ..perfmodel.subgroups import param_numels
 from ..profile.identity import cuda_available
 from ..profile.timing import NullProgress, ProgressSink
-from .record import PredictedTimes, TuneResult, Validation
+from .record import PredictedTimes, TrialRecord, TuneResult, Validation
+from .regime import regime_at
 
 #: measures one method: (name, model, options, offload settings, progress) -> its bench result (bench/run.py)
 Runner = Callable[[str, ModelSpec, BenchOptions, OffloadSettings, ProgressSink], MethodResult]
 
 
 def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], predicted: PredictedTimes,
-        measured: MethodResult) -> Validation:
-    """One validated row: the prediction's phases beside the measured medians, pooled over the rounds, each round's
-    own medians, and the split the swing ran each timed iteration with."""
+        measured: MethodResult, neighbour: Optional[str] = None) -> Validation:
+    """One validated row: the prediction's phases (of its regime) beside the measured medians, pooled over the rounds,
+    each round's own medians, and the split the swing ran each timed iteration with; ``neighbour``: which of the pick's
+    neighbours it is."""
     return Validation(label=label, method=method, sub_group_size=sub_group_size, schedule=schedule,
                       predicted_fwd_s=predicted.fwd_s, predicted_bwd_s=predicted.bwd_s,
                       predicted_step_s=predicted.step_s, predicted_iter_s=predicted.iter_s,
@@ -50,7 +56,8 @@ def row(label: str, method: str, sub_group_size: int, schedule: Optional[dict], 
                       measured_steal=measured.steal,
                       set_aside=measured.set_aside.runs if measured.set_aside is not None else None,
                       measured_round_iter_s=measured.round_iter_s or None,
-                      measured_round_step_s=measured.round_step_s or None, measured_swing=measured.swing or None)
+                      measured_round_step_s=measured.round_step_s or None, measured_swing=measured.swing or None,
+                      regime=predicted.regime, neighbour=neighbour)
 
 
 @dataclass
@@ -59,19 +66,26 @@ class ValidationRun:
     bench: BenchResult  # every method's pooled measurement, as dostune bench records it
     # None when every round finished; else what was stopped and what the rows hold (a line for tune.json's notes)
     stopped: Optional[str] = None
+    # with neighbours: the pick's measured iteration over the best measured, and the best's label (regret)
+    regret: Optional[float] = None
+    regret_best: Optional[str] = None
 
 
 def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int = 2, rounds: int = 2,
              progress: Optional[ProgressSink] = None, activation_checkpointing: bool = False,
-             runner: Optional[Runner] = None, host_available: Optional[int] = None) -> ValidationRun:
-    """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules, ``iters`` iterations each in each of
-    ``rounds`` rounds (the order reversed every other round). ``runner``: how a method is measured (default:
-    ``dostune bench``'s, which needs a CUDA GPU). A KeyboardInterrupt while measuring stops it: the rounds that
-    finished are kept, and ``stopped`` says what the rows hold."""
+             runner: Optional[Runner] = None, host_available: Optional[int] = None, clip: float = 0.0,
+             neighbours: Sequence[tuple[str, TrialRecord]] = ()) -> ValidationRun:
+    """Measure ZeRO-Offload (ratio 1.0) and the ``n`` best distinct schedules (with ``n`` 0, neither), then the pick
+    and its ``neighbours`` ((label, record) each) where given, ``iters`` iterations each in each of ``rounds`` rounds
+    (the order reversed every other round), gradient clipping at ``clip`` (0: off). ``runner``: how a method is
+    measured (default: ``dostune bench``'s, which needs a CUDA GPU). A KeyboardInterrupt while measuring stops it: the
+    rounds that finished are kept, and ``stopped`` says what the rows hold."""
     if rounds < 1 or iters < 1 or warmup < 0:
         raise DostuneError(f"validation needs at least 1 round, 1 iteration and no negative warm-up, got {rounds}, "
                            f"{iters} and {warmup}",
                            hint="see dostune tune --help")
+    if not clip >= 0:
+        raise DostuneError(f"the validation's clipping must be 0 (off) or positive, got {clip}")
     if runner is None:
         if not cuda_available():
             raise NotAvailable("--validate runs the schedules for real and needs a CUDA GPU")
@@ -80,25 +94,35 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
     progress = progress or NullProgress()
     spec = resolve_model(result.model)
     opts = BenchOptions(model=result.model, micro_batch=result.micro_batch, seq=seq, precision=result.precision,
-                        iters=iters, warmup=warmup, rounds=rounds, clip=0.0,
+                        iters=iters, warmup=warmup, rounds=rounds, clip=clip,
                         sub_group_size=result.ds_sub_group_size or DEFAULT_SUB_GROUP_SIZE)
-    opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision, clip=0.0,
+    opts.train = replace(opts.train, micro_batch=result.micro_batch, precision=result.precision, clip=clip,
                          activation_checkpointing=activation_checkpointing)
-    # (label, method, offload settings, sub_group_size, schedule, prediction) of every method to measure
+    regime = runs_regime(result, clip)
+    # (label, method, offload settings, sub_group_size, schedule, prediction, neighbour) of every method to measure
     jobs = []
     try:
         zo, note = fit_host_memory("zero-offload", method_offload("zero-offload", opts, None), param_numels(spec),
                                    result.precision, host_available)
     except DostuneError:  # its state cannot fit this host at all: nothing to compare with
         zo = None
-    if zo is not None and result.ds_offload is not None:
+    if n and zo is not None and result.ds_offload is not None:
         jobs.append(("zero-offload" + (f" ({note})" if note else ""), "zero-offload", zo, opts.sub_group_size, None,
-                     result.ds_offload))
-    for k, rec in enumerate(result.top[:n]):
+                     result.ds_offload, None))
+
+    def schedule_job(label: str, rec: TrialRecord, neighbour: Optional[str]) -> tuple:
         sched = ScheduleConfig.model_validate(rec.schedule)
         offload = OffloadSettings(sub_group_size=rec.sub_group_size, pin_memory=False,
                                   schedule=sched.model_copy(update={"trace": True}))
-        jobs.append((f"dostune #{k + 1}", "dostune", offload, rec.sub_group_size, rec.schedule, rec.predicted))
+        predicted = rec.regimes.get(regime, rec.predicted) if regime is not None else rec.predicted
+        return label, "dostune", offload, rec.sub_group_size, rec.schedule, predicted, neighbour
+
+    for k, rec in enumerate(result.top[:max(n, 1 if neighbours else 0)]):
+        jobs.append(schedule_job(f"dostune #{k + 1}", rec, None))
+    # a neighbour that is one of the best schedules already runs as that one
+    running = [(job[3], job[4]) for job in jobs]
+    jobs += [schedule_job(f"neighbour: {label}", rec, label) for label, rec in neighbours
+             if (rec.sub_group_size, rec.schedule) not in running]
     runs: dict[str, list[MethodResult]] = {job[0]: [] for job in jobs}
     stopped, r = None, 0
     try:
@@ -115,9 +139,27 @@ def validate(result: TuneResult, n: int, seq: int, iters: int = 12, warmup: int 
         stopped = (f"validation stopped in round {r + 1} of {rounds}: each row pools the rounds its method finished "
                    f"({done})")
     pooled = {label: pool_rounds(results) for label, results in runs.items() if results}
-    rows = [row(label, method, sgs, schedule, predicted, pooled[label])
-            for label, method, _, sgs, schedule, predicted in jobs if label in pooled and pooled[label].ran]
-    return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled), stopped=stopped)
+    rows = [row(label, method, sgs, schedule, predicted, pooled[label], near)
+            for label, method, _, sgs, schedule, predicted, near in jobs if label in pooled and pooled[label].ran]
+    ratio, best = regret(rows) if neighbours else (None, None)
+    return ValidationRun(rows=rows, bench=bench_record(opts, result.params, pooled), stopped=stopped, regret=ratio,
+                         regret_best=best)
+
+
+def runs_regime(result: TuneResult, clip: float) -> Optional[str]:
+    """The regime of runs that clip at ``clip`` (0: off), by the model profile's gradient norms that ``result``
+    keeps; None where they are unknown (each row then holds the prediction the schedule was scored by)."""
+    return regime_at(result.profile_grad_norms or [], clip)
+
+
+def regret(rows: Sequence[Validation], pick: str = "dostune #1") -> tuple[Optional[float], Optional[str]]:
+    """(the pick's measured iteration over the best measured of the dostune rows, that row's label); (None, None)
+    where the pick did not run."""
+    measured = {v.label: v.measured_iter_s for v in rows if v.method == "dostune"}
+    if pick not in measured:
+        return None, None
+    best = min(measured, key=measured.get)
+    return measured[pick] / measured[best], best
 
 
 METHODS = ("dostune", "zero-offload")
@@ -163,6 +205,10 @@ def validation_details(res: TuneResult) -> list[str]:
                                             for label, med, most in swung)
                    + ": those rows ran another split than the one predicted, so their step may differ from the "
                      "prediction for that reason")
+    if res.validation_clip and res.validation and runs_regime(res, res.validation_clip) is None:
+        out.append(f"the validation clipped at {res.validation_clip:g}, and the model profile recorded no gradient "
+                   "norm to tell whether its steps clip there: each row stands beside the prediction its schedule was "
+                   "scored by; profile the model again with this dostune to compare each with its own regime")
     prof, runs = res.profile_steal, res.validation_steal()
     if prof is not None or runs is not None:
         def aside(n):
