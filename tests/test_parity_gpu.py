@@ -30,7 +30,7 @@ def test_overflow_gpu(precision, schedule):
 
 
 def test_checkpoint_into_running_engine_gpu(tmp_path):
-    # the resident states' write-back (checkpoint) and re-upload (load) cross streams here
+    # the resident states are saved from the GPU and a load replaces them there, beside the lanes' streams
     checkpoint_into_running_engine(tmp_path, pin_memory=True)
 
 

@@ -27,3 +27,21 @@ def test_a_small_model_gets_its_real_subgroup_count_said_once(tmp_path):
     assert "about" not in out
     assert re.findall(r"(\d+) subgroups", out) == ["74", "74", str(n)], out  # the tuned count, and the real one
     assert f"refitted to gpt2-tiny: {n} subgroups" in out and "never split" in out
+
+
+def test_refit_writes_the_offload_ratio_of_the_scaled_resident_count(tmp_path):
+    """The resident subgroups are the ones DeepSpeed keeps on the GPU at the config's offload ratio: a refit that
+    scales their count rewrites the ratio with it, and the result runs (the ratio agrees with the new count)."""
+    from dostune.dsconfig import check_dostune_config
+    from dostune.optim.schedule import twin_flow_gpu_subgroups
+    from dostune.tune.refit import refit
+
+    tuned = ScheduleConfig(gpu_fraction=0.5, resident_subgroups=10, expected_subgroups=40)
+    cfg = deepspeed_config(TrainSettings(micro_batch=2), OffloadSettings(sub_group_size=20_000_000, pin_memory=False,
+                                                                         schedule=tuned))
+    assert twin_flow_gpu_subgroups(cfg["zero_optimization"]["offload_optimizer"]["ratio"], 40) == 10
+    out = refit(cfg, resolve_model("gpt2-tiny"), "tuned.json", sub_group_size=20_000)
+    sched = check_dostune_config(out.ds_config)
+    ratio = out.ds_config["zero_optimization"]["offload_optimizer"]["ratio"]
+    assert 0 < sched.resident_subgroups < 10 and sched.expected_subgroups == out.subgroups
+    assert twin_flow_gpu_subgroups(ratio, out.subgroups) == sched.resident_subgroups
