@@ -216,7 +216,7 @@ def check_host_fits(opt, schedule: ScheduleConfig, available: Optional[int] = No
         parts = [f"Adam states {states / 2**30:.1f}"] if states else []
         if lanes:
             parts.append(f"the lanes' buffers {lanes / 2**30:.1f}" + (
-                " (shadow states of the CPU lane during backward)" if updates_in_backward(plan, schedule) else ""))
+                " (shadow states of the CPU lane during backward)" if speculative_set(plan, schedule) else ""))
         raise ConfigError(
             f"dostune needs {need / 2**30:.1f} GiB more host memory on this rank ({', '.join(parts)} GiB), but only "
             f"{available / 2**30:.1f} GiB are available",
