@@ -23,7 +23,7 @@ def test_lane_variants_gpu(upload, grads_on_gpu):
     check(run(train, sched, pin_memory=True), reference(train))
 
 
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident", "overlap-partial"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_gpu(precision, schedule):
     overflow_case(precision, schedule, pin_memory=True)
