@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
 from .errors import ConfigError, DostuneError
-from .optim.schedule import SECTION, ScheduleConfig
+from .optim.schedule import SECTION, ScheduleConfig, resident_offload_ratio, resident_placement_problem
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PRECISIONS = get_args(Precision)
@@ -151,8 +151,51 @@ def deepspeed_config(train: TrainSettings, offload: OffloadSettings) -> dict:
         cfg[CHECKPOINTING_SECTION] = dict(CHECKPOINTING_CONTENTS)
     if offload.schedule is not None:
         if offload.ratio != 1.0:
-            raise ConfigError("a dostune schedule needs the whole optimizer state offloaded (ratio 1.0)")
-        cfg[SECTION] = offload.schedule.model_dump(exclude_none=True)
+            raise ConfigError("a dostune schedule sets the offload ratio itself, from its resident_subgroups: leave "
+                              "the offload ratio at 1.0")
+        cfg = with_schedule(cfg, offload.schedule)
+    return cfg
+
+
+def schedule_offload_ratio(schedule: ScheduleConfig) -> float:
+    """The ``offload_optimizer.ratio`` of a config with this schedule: DeepSpeed's Twin-Flow placement of exactly its
+    resident subgroups on the GPU (1.0, everything offloaded, without any)."""
+    r, n = schedule.resident_subgroups, schedule.expected_subgroups
+    if not r:
+        return 1.0
+    if n is None:
+        raise ConfigError("resident_subgroups needs expected_subgroups in the dostune section: the offload ratio that "
+                          "keeps them on the GPU depends on the model's subgroup count",
+                          hint="let `dostune tune` or `dostune refit` write the section, or set expected_subgroups")
+    if r > n:
+        raise ConfigError(f"resident_subgroups is {r} but the schedule expects only {n} subgroups")
+    return resident_offload_ratio(r, n)
+
+
+def with_schedule(ds_config: dict, schedule: ScheduleConfig) -> dict:
+    """A copy of ``ds_config`` (ZeRO-3 with the optimizer offloaded to the CPU) that runs ``schedule``: its
+    ``dostune`` section, and the offload ratio that keeps its resident subgroups on the GPU (schedule_offload_ratio)."""
+    cfg = copy.deepcopy(ds_config)
+    ratio = schedule_offload_ratio(schedule)
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer")
+    if offload is None:
+        raise ConfigError("a dostune schedule needs zero_optimization.offload_optimizer (device 'cpu')")
+    offload["ratio"] = ratio
+    cfg[SECTION] = schedule.model_dump(exclude_none=True)
+    return cfg
+
+
+def plain_deepspeed_config(ds_config: dict) -> dict:
+    """A copy of ``ds_config`` that DeepSpeed runs with its own update: without the ``dostune`` section, and, where
+    the section's resident subgroups had set a lower offload ratio, with the whole optimizer state offloaded again
+    (ZeRO-Offload, ratio 1.0, whose update the schedule's equals bit for bit, rather than DeepSpeed's Twin-Flow at
+    that ratio). A config without the section is returned unchanged."""
+    cfg = copy.deepcopy(ds_config)
+    if cfg.pop(SECTION, None) is None:
+        return cfg
+    offload = (cfg.get("zero_optimization") or {}).get("offload_optimizer")
+    if isinstance(offload, dict) and "ratio" in offload:
+        offload["ratio"] = 1.0
     return cfg
 
 
@@ -209,9 +252,10 @@ def hf_config(ds_config: dict, target: Target = "trainer") -> dict:
     return cfg
 
 
-def _dostune_conflicts(ds_config: dict) -> list[str]:
-    """The settings of a DeepSpeed config under which the interleaved optimizer cannot run: it replaces ZeRO-3's
-    update of an optimizer state offloaded whole to the CPU, done by DeepSpeedCPUAdam (Adam or AdamW). "auto" values
+def _dostune_conflicts(ds_config: dict, schedule: ScheduleConfig) -> list[str]:
+    """The settings of a DeepSpeed config under which the interleaved optimizer cannot run ``schedule``: it replaces
+    ZeRO-3's update of an optimizer state offloaded to the CPU (all of it but the schedule's resident subgroups, which
+    DeepSpeed keeps on the GPU at the config's offload ratio), done by DeepSpeedCPUAdam (Adam or AdamW). "auto" values
     are not judged (the Trainer or Accelerate fill them with numbers, never with another optimizer or stage)."""
     problems = []
     zero = ds_config.get("zero_optimization") or {}
@@ -223,8 +267,13 @@ def _dostune_conflicts(ds_config: dict) -> list[str]:
     if device != "cpu":
         problems.append(f"zero_optimization.offload_optimizer.device must be 'cpu', got {device!r}")
     ratio = offload.get("ratio", 1.0)
-    if ratio not in (1, 1.0, "auto"):
-        problems.append(f"offload_optimizer.ratio must be 1.0 (a ratio below 1 is Twin-Flow), got {ratio}")
+    if ratio != "auto":
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
+            problems.append(f"offload_optimizer.ratio must be a number in [0, 1], got {ratio!r}")
+        elif schedule.expected_subgroups is not None:  # else checked once the model's subgroups are known
+            problem = resident_placement_problem(ratio, schedule.expected_subgroups, schedule)
+            if problem is not None:
+                problems.append(problem)
     if offload.get("super_offload"):
         problems.append("offload_optimizer.super_offload must be off (SuperOffload is its own ZeRO-3 optimizer)")
     optimizer = ds_config.get("optimizer")
@@ -250,7 +299,7 @@ def check_dostune_config(ds_config: dict) -> Optional[ScheduleConfig]:
     schedule = ScheduleConfig.from_ds_config(ds_config)
     if schedule is None:
         return None
-    problems = _dostune_conflicts(ds_config)
+    problems = _dostune_conflicts(ds_config, schedule)
     if problems:
         raise ConfigError(f"the DeepSpeed config conflicts with its '{SECTION}' section: " + "; ".join(problems),
                           hint="dostune's interleaved optimizer runs ZeRO-3 with the Adam/AdamW state offloaded to the "

@@ -70,7 +70,8 @@ def paths(tmp_path):
     p["other_bench"] = str(tmp_path / "other-bench.json")
     # tuned for another model: 26 subgroups (gpt2-tiny has 7 at this sub_group_size); 5 resident of 3 GPU-lane
     p["cfg26"] = _config(tmp_path / "cfg26.json", ScheduleConfig(gpu_fraction=0.25, expected_subgroups=26))
-    p["cfg_resident"] = _config(tmp_path / "resident.json", ScheduleConfig(gpu_fraction=0.5, resident_subgroups=5))
+    p["cfg_resident"] = _config(tmp_path / "resident.json", ScheduleConfig(gpu_fraction=0.5, resident_subgroups=5,
+                                                                           expected_subgroups=5))
     p["cfg_plain"] = _config(tmp_path / "plain.json")
     p["cfg_stage2"] = _config(tmp_path / "stage2.json", ScheduleConfig(), stage=2)
     from dostune.dsconfig import hf_config

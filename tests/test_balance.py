@@ -155,12 +155,12 @@ def test_the_gpu_lane_takes_the_cpu_lanes_lowest_subgroups_streamed_and_never_as
     for bad in (-3, 3):
         with pytest.raises(ValueError, match="outside this schedule's range -2..2"):
             make_plan(5, sched, swing=bad)
-    # spread placement with a resident subgroup: the lent ones (0, 1, lower indices than the GPU lane's) stream;
-    # subgroup 2 stays the one resident
-    spread = ScheduleConfig(gpu_fraction=0.4, gpu_placement="spread", adaptive_swing=2, resident_subgroups=1)
-    plan = make_plan(5, spread, swing=-2)
-    assert plan.resident == (2,) and [s.subgroup for s in plan.gpu_slots] == [0, 1, 4] and plan.cpu_order == [3]
-    assert plan.gpu_subgroups == [2, 0, 1, 4]
+    # with a resident subgroup (resident ones are the first: DeepSpeed keeps their state on the GPU) the lent ones
+    # stream beside the GPU lane's own streamed ones; subgroup 0 stays the one resident
+    kept = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", adaptive_swing=2, resident_subgroups=1)
+    plan = make_plan(5, kept, swing=-2)
+    assert plan.resident == (0,) and [s.subgroup for s in plan.gpu_slots] == [1, 2, 3, 4] and plan.cpu_order == []
+    assert plan.gpu_subgroups == [0, 1, 2, 3, 4] and plan.lent == (3, 4)
     # a lent subgroup the GPU lane cannot get memory for falls back like its own
     fell = make_plan(5, sched, swing=-1, fallback=frozenset({0, 1, 2}))
     assert fell.fallback == (0, 1, 2) and fell.lent == () and fell.gpu_slots == [] and fell.cpu_order == [3, 4]
@@ -176,7 +176,8 @@ def test_gradients_of_lent_subgroups_stream_in_and_the_rest_stay_where_they_were
     sched = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", adaptive_swing=2, resident_subgroups=1)
     plan = make_plan(5, sched, swing=-2)  # 0 resident, 1 and 2 streamed, 3 and 4 lent
     assert plan.lent == (3, 4)
-    assert kept_gradients(plan, True) == {0, 1, 2} and streamed_gradients(plan, True) == {3, 4}
+    # the resident subgroup's gradients are in DeepSpeed's own buffer on the GPU, kept by none of these
+    assert kept_gradients(plan, True) == {1, 2} and streamed_gradients(plan, True) == {3, 4}
     assert kept_gradients(plan, False) == set() and streamed_gradients(plan, False) == {1, 2, 3, 4}
 
 

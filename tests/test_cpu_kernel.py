@@ -45,6 +45,33 @@ def test_matches_deepspeed_bitwise(ds_op, n, adamw, wd, bias_correction, offset)
         ds_op.destroy_adam(opt_id)
 
 
+@pytest.mark.parametrize("n", [5, 1_000_003])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_in_place_equals_deepspeed_in_place(ds_op, n, grad_dtype):
+    """The outputs may be the inputs (the CPU lane's subgroups that never speculate are updated so): the same bits as
+    DeepSpeed's in-place update, over the threads' blocks and the scalar tail."""
+    lr, b1, b2, eps, wd = 3e-4, 0.9, 0.95, 1e-8, 0.01
+    opt_id = _next_opt_id()
+    ds_op.create_adam(opt_id, lr, b1, b2, eps, wd, True, False)
+    shadow = AdamScalarShadow(b1, b2)
+    gen = torch.Generator().manual_seed(n)
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    ours = [t.clone() for t in (p, m, v)]
+    try:
+        for step, inv in ((1, 1.0), (2, 0.37)):
+            g = torch.randn(n, generator=gen).to(grad_dtype)
+            shadow.increment(step, b1, b2)
+            half = torch.empty(n, dtype=torch.bfloat16)
+            cpu_kernel.adam_out_of_place(ours[0], g, ours[1], ours[2], *ours, shadow.scalars(lr, eps, wd, True, True),
+                                         inv_scale=inv, half_out=half, threads=2)
+            ds_op.adam_update(opt_id, step, lr, b1, b2, eps, wd, True, p, g.float().mul_(inv), m, v)
+            for name, a, b in zip("pmv", ours, (p, m, v)):
+                assert torch.equal(a, b), f"step {step}: {name} differs in {(a != b).sum()} of {n} elements"
+            assert torch.equal(half, p.to(torch.bfloat16))
+    finally:
+        ds_op.destroy_adam(opt_id)
+
+
 def test_fp16_output_and_nan_rounding():
     n = 37
     s = AdamScalarShadow(0.9, 0.999)

@@ -22,9 +22,12 @@ SCHEDULES = {
     "overlap": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True),
     # subgroup 0's states stay on the GPU lane's device; 1 and 2 stream through one slot
     "overlap-resident": ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", overlap_backward=True,
-                                       resident_subgroups=1, staging_buffers=1),
-    "all-resident": ScheduleConfig(gpu_fraction=1.0, resident_subgroups=5, staging_buffers=1),
+                                       resident_subgroups=1, staging_buffers=1, expected_subgroups=5),
+    "all-resident": ScheduleConfig(gpu_fraction=1.0, resident_subgroups=5, staging_buffers=1, expected_subgroups=5),
     "overlap-all-cpu": ScheduleConfig(gpu_fraction=0.0, overlap_backward=True, backward_cpu_threads=1),
+    # CPU lane 2-4: only 4 (its gradients are final first) speculates; 2 and 3 are updated in place in the step
+    "overlap-partial": ScheduleConfig(gpu_fraction=0.4, gpu_placement="first", overlap_backward=True,
+                                      speculative_subgroups=1),
 }
 
 
@@ -110,12 +113,12 @@ def overflow_case(precision: str, schedule: str, **run_kw):
     assert torch.isfinite(ours["weights"]).all()
     if precision == "fp16":
         assert ours["loss_scale"] < reference(train, steps=30)["loss_scale"]
-    if adjust is not None:
-        assert ours["overlap"]["committed"] == (30 - 2) * cpu_lane_count(schedule)
+    if adjust is not None:  # committed from shadows, or made in place in the step
+        assert ours["overlap"]["committed"] + ours["overlap"]["in_step"] == (30 - 2) * cpu_lane_count(schedule)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident", "overlap-partial"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_steps_are_skipped_and_nothing_corrupted(precision, schedule):
     if precision == "fp16" and not _cpu_fp16_supported():
@@ -154,6 +157,54 @@ def test_overlap_recomputes_when_clipping_triggers(cutoff):
         assert st["speculative"] == st["redone"] == 30 * 3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_partial_speculation_updates_the_others_in_place_in_the_step(clip):
+    """speculative_subgroups 1: subgroup 4 speculates into its shadows (committed when clipping does not trigger,
+    recomputed when it does: 0.05 clips every step); 2 and 3 have no shadows and are updated in place in the step,
+    with the real factor. Either way the values are DeepSpeed's."""
+    train = base_settings(precision="bf16", clip=clip)
+
+    def adjust(opt):
+        worker = opt._dos.cpu.worker
+        assert worker.shadow(4).p.numel() == opt.fp16_partitioned_groups_flat_numel[4]
+        for i in (2, 3):
+            with pytest.raises(KeyError):
+                worker.shadow(i)
+
+    ours = run(train, SCHEDULES["overlap-partial"], steps=30, adjust=adjust, seams=NO_CUTOFF)
+    check(ours, reference(train, steps=30))
+    st = ours["overlap"]
+    assert st["steps"] == 30 and st["speculative"] == st["committed"] == 30 and st["in_step"] == 60
+    assert st["redone"] == (0 if clip == 0.0 else 30)
+
+
+@pytest.mark.slow
+def test_partial_speculation_with_subgroups_moving_between_lanes():
+    """adaptive_swing's candidates (3, 2, 1) lie below the CPU lane's own subgroup 4: with speculative_subgroups 2
+    only 4 and 3 have shadows; 2 and 1 are updated in place in the steps that move them to the CPU lane, and 4 on the
+    GPU lane in the steps that lend it there."""
+    train = base_settings(precision="bf16")
+    sched = ScheduleConfig(gpu_fraction=0.8, gpu_placement="first", overlap_backward=True, resident_subgroups=1,
+                           staging_buffers=2, adaptive_swing=3, speculative_subgroups=2, expected_subgroups=5)
+    script = ScriptedLanes(jumping_host(base_cpu_lane=1))
+
+    def adjust(opt):
+        worker = opt._dos.cpu.worker
+        assert all(worker.shadow(i).p.numel() == opt.fp16_partitioned_groups_flat_numel[i] for i in (3, 4))
+        for i in (1, 2):
+            with pytest.raises(KeyError):
+                worker.shadow(i)
+
+    ours = run(train, sched, steps=20, adjust=adjust, seams=script.seams(partial_norm_cutoff=False))
+    check_bitwise(ours, reference(train, steps=20))
+    lanes = [tuple(plan.cpu_order) for plan, _, _ in script.steps]
+    assert set(lanes) == {(4,), (1, 2, 3, 4), ()}
+    script.check_lanes()
+    assert ours["overlap"]["committed"] == sum(len({3, 4} & set(c)) for c in lanes)
+    assert ours["overlap"]["in_step"] == sum(len(set(c) - {3, 4}) for c in lanes)
+
+
 def test_cpu_lane_reads_gradients_from_deepspeeds_pinned_buffer():
     """The saving is real only if the fast path is taken: every subgroup maps onto DeepSpeed's gradient-partition
     buffer, and the CPU lane during backward reads its gradients there (no fp32 copy)."""
@@ -175,8 +226,9 @@ def test_loading_a_checkpoint_into_a_running_engine_replaces_resident_states(tmp
 
 
 def checkpoint_into_running_engine(tmp_path, pin_memory: bool = False):
-    """Resident subgroups hold their states on the GPU lane's device between steps; a checkpoint loaded into the same
-    engine must replace them, not just the host copies DeepSpeed writes."""
+    """Resident subgroups hold their only copy of their state on the GPU lane's device; a checkpoint loaded into the
+    same engine must replace it there (torch's Optimizer.load_state_dict moves each saved state to its param's
+    device), and the run continue from it."""
     from dostune.train.engine import master_weights, train_steps
     from parity_helpers import SEQ
 
@@ -477,8 +529,9 @@ def test_subgroups_jumping_between_lanes_change_nothing(overlap, grad_accum):
     GPU-lane subgroups on the CPU lane to the CPU lane's one on the GPU lane); whichever lane updates a subgroup,
     the values are DeepSpeed's."""
     train = base_settings(precision="bf16", grad_accum=grad_accum)
+    # GPU lane 0-3, 0 resident; 3, 2, 1 may move
     sched = ScheduleConfig(gpu_fraction=0.8, gpu_placement="first", overlap_backward=overlap, resident_subgroups=1,
-                           staging_buffers=2, adaptive_swing=3)  # GPU lane 0-3, 0 resident; 3, 2, 1 may move, and 4
+                           staging_buffers=2, adaptive_swing=3, expected_subgroups=5)  # and 4 may come
     script = ScriptedLanes(jumping_host(base_cpu_lane=1))
     opts = []
 

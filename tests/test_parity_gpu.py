@@ -24,14 +24,14 @@ def test_lane_variants_gpu(upload, grads_on_gpu):
     check(run(train, sched, pin_memory=True), reference(train))
 
 
-@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident"])
+@pytest.mark.parametrize("schedule", ["every-2nd", "overlap", "overlap-resident", "overlap-partial"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_overflow_gpu(precision, schedule):
     overflow_case(precision, schedule, pin_memory=True)
 
 
 def test_checkpoint_into_running_engine_gpu(tmp_path):
-    # the resident states' write-back (checkpoint) and re-upload (load) cross streams here
+    # the resident states are saved from the GPU and a load replaces them there, beside the lanes' streams
     checkpoint_into_running_engine(tmp_path, pin_memory=True)
 
 

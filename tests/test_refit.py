@@ -41,3 +41,21 @@ def test_the_tuners_swing_is_carried_over_as_the_new_models_full_range():
     assert (new.resident_subgroups, new.adaptive_swing) == (1, 6) and "adaptive_swing 15 -> 6" in notes
     by_hand, _ = refit_schedule(tuned.model_copy(update={"adaptive_swing": 3}), 8)
     assert by_hand.adaptive_swing == 3
+
+
+def test_refit_writes_the_offload_ratio_of_the_scaled_resident_count(tmp_path):
+    """The resident subgroups are the ones DeepSpeed keeps on the GPU at the config's offload ratio: a refit that
+    scales their count rewrites the ratio with it, and the result runs (the ratio agrees with the new count)."""
+    from dostune.dsconfig import check_dostune_config
+    from dostune.optim.schedule import twin_flow_gpu_subgroups
+    from dostune.tune.refit import refit
+
+    tuned = ScheduleConfig(gpu_fraction=0.5, resident_subgroups=10, expected_subgroups=40)
+    cfg = deepspeed_config(TrainSettings(micro_batch=2), OffloadSettings(sub_group_size=20_000_000, pin_memory=False,
+                                                                         schedule=tuned))
+    assert twin_flow_gpu_subgroups(cfg["zero_optimization"]["offload_optimizer"]["ratio"], 40) == 10
+    out = refit(cfg, resolve_model("gpt2-tiny"), "tuned.json", sub_group_size=20_000)
+    sched = check_dostune_config(out.ds_config)
+    ratio = out.ds_config["zero_optimization"]["offload_optimizer"]["ratio"]
+    assert 0 < sched.resident_subgroups < 10 and sched.expected_subgroups == out.subgroups
+    assert twin_flow_gpu_subgroups(ratio, out.subgroups) == sched.resident_subgroups

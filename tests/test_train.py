@@ -50,14 +50,15 @@ def _optimizer_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("variant", [{}, {"overlap_backward": True}, {"resident_subgroups": 1}])
+@pytest.mark.parametrize("variant", [{}, {"overlap_backward": True}, {"resident_subgroups": 1, "expected_subgroups": 5},
+                                     {"overlap_backward": True, "speculative_subgroups": 1}])
 def test_resume_is_bit_exact(tmp_path, variant):
     # Resuming into step 6 with beta2=0.999 matters: pow(0.999, 6), which DeepSpeed's C++ Adam uses in a
     # fresh process, differs in the last bit from the running product of an uninterrupted run. bf16 params
     # would hide that from the loss for a while, so the fp32 master weights and Adam states are compared.
     # With overlap_backward the CPU lane's constants are fixed during backward, before the step replays them.
-    # A resident subgroup's state lives on the GPU lane's device: the checkpoints must carry it (written back when
-    # saved) and the resumed run must start from the loaded one (uploaded again).
+    # A resident subgroup's state lives on the GPU lane's device only: the checkpoints carry it from there and the
+    # resumed run updates the loaded one. With one speculative subgroup the other CPU-lane one is updated in place.
     cfg = write_config(tmp_path, ScheduleConfig(gpu_fraction=0.5, **variant), betas=(0.9, 0.999))
     full = train(opts(cfg, tmp_path / "full"))
     first = train(opts(cfg, tmp_path / "ckpt", steps=5))
@@ -82,9 +83,13 @@ def test_deterministic_is_strict_mode(tmp_path):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+RESIDENT = ScheduleConfig(gpu_fraction=0.6, resident_subgroups=2, expected_subgroups=5)  # 0-1 resident, 2 streamed
+
+
 @pytest.mark.parametrize("first_plain", [True, False])
-def test_checkpoints_cross_load_between_deepspeed_and_dostune(tmp_path, uninterrupted, first_plain):
-    cfg = write_config(tmp_path)
+@pytest.mark.parametrize("schedule", [ScheduleConfig(gpu_fraction=0.5), RESIDENT], ids=["streamed", "resident"])
+def test_checkpoints_cross_load_between_deepspeed_and_dostune(tmp_path, uninterrupted, first_plain, schedule):
+    cfg = write_config(tmp_path, schedule)
     first = train(opts(cfg, tmp_path / "ckpt", steps=4, plain_deepspeed=first_plain))
     rest = train(opts(cfg, tmp_path / "ckpt", resume=True, plain_deepspeed=not first_plain))
     assert {first.optimizer, rest.optimizer} == {"DeepSpeedZeroOptimizer_Stage3", "InterleavedZeroOptimizer"}
@@ -92,6 +97,23 @@ def test_checkpoints_cross_load_between_deepspeed_and_dostune(tmp_path, uninterr
     # pow() plain DeepSpeed uses after a load equals the running product; at other steps plain DeepSpeed's
     # own resume drifts in the last bit, see InterleavedZeroOptimizer._dostune_sync_beta_powers.)
     assert first.losses + rest.losses == uninterrupted.losses
+
+
+def test_resident_checkpoint_round_trip_through_plain_deepspeed_is_bit_exact(tmp_path, uninterrupted):
+    """The resident subgroups' state is DeepSpeed's own (its Twin-Flow placement), so their checkpoint is DeepSpeed's:
+    dostune -> plain DeepSpeed ZeRO-Offload (ratio 1.0, everything on the host) -> dostune again trains the
+    uninterrupted run, and ends in the same fp32 params and Adam states, bit for bit."""
+    cfg = write_config(tmp_path, RESIDENT)
+    assert json.loads(cfg.read_text())["zero_optimization"]["offload_optimizer"]["ratio"] < 1.0
+    legs = [train(opts(cfg, tmp_path / "ckpt", steps=4)),
+            train(opts(cfg, tmp_path / "ckpt", steps=6, resume=True, plain_deepspeed=True)),  # resumes into step 5
+            train(opts(cfg, tmp_path / "ckpt", resume=True))]
+    assert [leg.optimizer for leg in legs] == ["InterleavedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
+                                                "InterleavedZeroOptimizer"]
+    assert sum((leg.losses for leg in legs), []) == uninterrupted.losses
+    ours, ref = _optimizer_state(tmp_path / "ckpt"), _optimizer_state(Path(uninterrupted.checkpoints[-1]).parent)
+    assert ours.keys() == ref.keys() and len(ours) > 3
+    assert all(torch.equal(ours[k], ref[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], ref[k])]
 
 
 def test_ctrl_c_saves_and_resume_continues(tmp_path, uninterrupted):
@@ -237,6 +259,13 @@ def test_staging_larger_than_the_gpu_is_refused():
     with pytest.raises(ConfigError, match="stages .* GiB on the GPU during the step, but only 10.0 GiB"):
         check_staging_fits(opt, sched, capacity_bytes=10 * 2**30)
     check_staging_fits(opt, ScheduleConfig(gpu_fraction=0.0, upload="cpu_convert"), capacity_bytes=10 * 2**30)
+    # one resident subgroup of four on the GPU lane: its params and gradients are on the device already (8 GB of
+    # its 16), its Adam states (8 GB) still to come, beside three streamed ones (12 GB of kept gradients) through a
+    # 12 GB slot: 32 GB more
+    one = ScheduleConfig(gpu_fraction=1.0, staging_buffers=1, resident_subgroups=1)
+    check_staging_fits(opt, one, capacity_bytes=32 * 10**9)
+    with pytest.raises(ConfigError, match="stages 29.8 GiB"):
+        check_staging_fits(opt, one, capacity_bytes=32 * 10**9 - 1)
 
 
 def test_host_memory_the_optimizer_would_still_allocate_is_refused_with_the_numbers():
@@ -257,6 +286,13 @@ def test_host_memory_the_optimizer_would_still_allocate_is_refused_with_the_numb
     with pytest.raises(ConfigError, match=r"needs 14.9 GiB more host memory on this rank \(Adam states 14.9"):
         check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5), available=10 * 2**30)  # no overlap: the states
     check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5), available=16 * 2**30)
+    # the resident subgroups (0 and 1) create their Adam states on the GPU: nothing left to allocate on the host
+    check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5, resident_subgroups=2), available=2**20)
+    with pytest.raises(ConfigError, match=r"needs 7.5 GiB more host memory on this rank \(Adam states 7.5 GiB"):
+        check_host_fits(opt, ScheduleConfig(gpu_fraction=0.5, resident_subgroups=1), available=2**20)
+    # shadows for one speculative subgroup (12 GB) instead of both, beside the ring of two 2 GB buffers
+    with pytest.raises(ConfigError, match=r"needs 29.8 GiB .*\(Adam states 14.9, the lanes' buffers 14.9 \(shadow"):
+        check_host_fits(opt, sched.model_copy(update={"speculative_subgroups": 1}), available=16 * 2**30)
 
 
 def test_deepspeed_offload_host_memory_rounds_pinned_buffers_up_to_powers_of_two():

@@ -55,7 +55,8 @@ def train(
     log_every: int = typer.Option(10, min=1, help="Print a line every N steps (the progress bar updates always)."),
     metrics: Optional[Path] = typer.Option(None, help="Metrics JSONL, one line per step. Default: "
                                            "SAVE_DIR/metrics.jsonl, or runs/train/MODEL/metrics.jsonl."),
-    plain_deepspeed: bool = flag(False, "--plain-deepspeed", help="Ignore the config's dostune section (DeepSpeed's own update)."),
+    plain_deepspeed: bool = flag(False, "--plain-deepspeed", help="Ignore the dostune section: DeepSpeed's own "
+                                 "ZeRO-Offload, all optimizer state offloaded."),
     deterministic: bool = flag(False, "--deterministic", help="PyTorch's deterministic kernels (strict mode). On a GPU some backward "
                                        "kernels (flash attention's) accumulate in a varying order, so without "
                                        "this a resumed run drifts from an uninterrupted one in the last bits; "

@@ -1,5 +1,6 @@
 /* dostune's out-of-place CPU Adam: reads the fp32 params and Adam states of one subgroup, writes the
- * updated ones to other buffers (and optionally their half-precision copy), leaving the inputs untouched.
+ * updated ones to other buffers (and optionally their half-precision copy), leaving the inputs untouched
+ * (or, for an update that is never rolled back, to the same buffers: see dostune_adam_oop).
  *
  * Why it exists: an update started during backward is speculative (the global gradient norm that decides
  * clipping and overflow is known only at the end), so it must not overwrite the state it may have to be
@@ -109,9 +110,9 @@ static inline void stream_fence(void)
  * OpenMP-outlined loop (passed as arguments they stay runtime branches there and the loop does not
  * vectorise). */
 #define DEFINE_VARIANT(NAME, L2, DW, HK, GK)                                                           \
-    static void NAME(const float *restrict p, const void *restrict g, const float *restrict m,         \
-                     const float *restrict v, float *restrict po, float *restrict mo,                  \
-                     float *restrict vo, void *restrict half, int64_t n, int64_t tail_start,           \
+    static void NAME(const float *p, const void *restrict g, const float *m,                           \
+                     const float *v, float *po, float *mo,                                             \
+                     float *vo, void *restrict half, int64_t n, int64_t tail_start,                    \
                      float inv_scale, const dostune_adam_scalars *s, int threads)                      \
     {                                                                                                  \
         const float beta1 = s->beta1, beta2 = s->beta2, b1m1 = s->b1m1, b2m1 = s->b2m1;               \
@@ -176,12 +177,14 @@ DEFINE_VARIANT(adam_0102, 0, 1, 0, 2)
 DEFINE_VARIANT(adam_0112, 0, 1, 1, 2)
 DEFINE_VARIANT(adam_0122, 0, 1, 2, 2)
 
-typedef void (*variant_fn)(const float *restrict, const void *restrict, const float *restrict,
-                           const float *restrict, float *restrict, float *restrict, float *restrict,
-                           void *restrict, int64_t, int64_t, float, const dostune_adam_scalars *, int);
+typedef void (*variant_fn)(const float *, const void *restrict, const float *, const float *, float *, float *,
+                           float *, void *restrict, int64_t, int64_t, float, const dostune_adam_scalars *, int);
 
-void dostune_adam_oop(const float *restrict p, const void *restrict g, int grad_kind, const float *restrict m,
-                      const float *restrict v, float *restrict po, float *restrict mo, float *restrict vo,
+/* po, mo and vo may be p, m and v themselves: an update in place, for a subgroup that is updated only once the real
+ * factor is known (it needs no shadow). Each block is read whole into the thread's buffers before that thread writes
+ * it back, and the blocks are disjoint, so the result is the same; that is why these six pointers are not restrict. */
+void dostune_adam_oop(const float *p, const void *restrict g, int grad_kind, const float *m,
+                      const float *v, float *po, float *mo, float *vo,
                       void *restrict half, int half_kind, int64_t n, int64_t tail_start, float inv_scale,
                       const dostune_adam_scalars *s, int threads)
 {

@@ -123,7 +123,8 @@ def adam_out_of_place(p, g, m, v, p_out, m_out, v_out, s: AdamScalars, inv_scale
     ``g.mul_(inv_scale)`` and DeepSpeedCPUAdam had run in place on the whole tensor. ``g`` may be bf16 or fp16:
     it is widened exactly, as DeepSpeed's ``.to(float32)`` of the gradient is. ``half_out`` (bf16 or fp16)
     receives the new params rounded to nearest even, as ``half.copy_(p_out)`` would. The outputs are written with
-    streaming stores, which bypass the caches (cpu_adam_oop.c says why)."""
+    streaming stores, which bypass the caches (cpu_adam_oop.c says why). The outputs may be the inputs themselves
+    (p_out is p, m_out is m, v_out is v): then it is DeepSpeedCPUAdam's update in place."""
     n = p.numel()
     for name, t in (("p", p), ("m", m), ("v", v), ("p_out", p_out), ("m_out", m_out), ("v_out", v_out)):
         _check(name, t, n)

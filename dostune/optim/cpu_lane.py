@@ -3,7 +3,9 @@
 * ``CpuStepLane``: in the step, DeepSpeed's own per-subgroup update (the same unscale, the same DeepSpeedCPUAdam
   call) in place in host memory, each result then uploaded to the GPU partition while the next one computes;
 * ``CpuBackwardLane`` (``overlap_backward``): the worker of overlap.py updates each subgroup during backward as soon
-  as its gradients are final, speculatively; the step commits, recomputes or drops its results.
+  as its gradients are final, speculatively; the step commits, recomputes or drops its results. With
+  ``speculative_subgroups`` only that many speculate (footprint.speculative_set): the worker updates the others in
+  the step, in place, with the real factor, beside the GPU lane.
 
 Both offer the step the same calls, in the step's order: ``before_gpu`` (before the GPU lane advances step counts),
 ``start`` (once the GPU lane is queued), ``finish`` (after the host's own work), or ``skip`` on a skipped step.
@@ -17,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from .adam_steps import AdamSteps
-from .footprint import cpu_lane_reach, half_ring_count
+from .footprint import cpu_lane_reach, half_ring_count, speculative_set
 from .grads import GradRouting
 from .host_state import HostStates
 from .norms import GradNorms
@@ -107,7 +109,7 @@ class CpuStepLane:
 
     @property
     def stats(self) -> dict:
-        return {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
+        return {"steps": 0, "speculative": 0, "redone": 0, "committed": 0, "in_step": 0}
 
     def close(self) -> None:
         pass
@@ -125,11 +127,16 @@ class CpuBackwardLane:
         self._seen: dict[int, set] = {}
         threads = schedule.cpu_threads or torch.get_num_threads()
         ring = half_ring_count(len(reach), max(host.numel(i) for i in reach))
+        speculative = speculative_set(plan, schedule)
         self.worker = BackwardOverlap(plan.cpu_order, self.subgroup_io, self._scalars, queues.device, pins.pin,
                                       schedule.backward_cpu_threads or max(1, threads - 1), threads, ring,
-                                      partial_norm_cutoff=seams.partial_norm_cutoff, wrap_update=seams.wrap_update)
-        self.worker.reserve(list(plan.swing_candidates))
-        self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0}
+                                      speculative=speculative, partial_norm_cutoff=seams.partial_norm_cutoff,
+                                      wrap_update=seams.wrap_update)
+        # every shadow at start-up (host memory is checked for them all: footprint.check_host_fits), not at a
+        # subgroup's first update: one adaptive_swing moves here mid-run would otherwise pay for 12 bytes per element
+        # of fresh pinned memory inside that step
+        self.worker.reserve(sorted(speculative))
+        self._stats = {"steps": 0, "speculative": 0, "redone": 0, "committed": 0, "in_step": 0}
         self._ready_signal = self._with_partial_norm if norms.tracks_partial else self._gradient_event
 
     def _scalars(self) -> dict:
@@ -181,16 +188,19 @@ class CpuBackwardLane:
 
     def finish(self, inv, inv32: Optional[float], trace: list) -> None:
         """Hand the worker the real factor (its fp32 value; None: the step is skipped), wait for the lane, then swap
-        the committed subgroups' shadow buffers in."""
+        the committed subgroups' shadow buffers in and count the Adam step of those it updated in place."""
         ov = self.worker
         out: StepOutcome = ov.finish(inv32, self._may_commit(inv32))
         for i in out.committed:
             ov.set_shadow(i, self._host.commit(i, ov.shadow(i)))
+        for i in out.in_place:
+            self._host.advance(i)  # as DeepSpeedCPUAdam.step counts it (commit does for the others)
         st = self._stats
         st["steps"] += 1
         st["speculative"] += out.speculative
         st["redone"] += out.redone
         st["committed"] += len(out.committed)
+        st["in_step"] += len(out.in_place)
         trace += out.spans
         for seen in self._seen.values():
             seen.clear()

@@ -136,7 +136,8 @@ class CudaDevice:
         return host, ev
 
     def needs_pinning(self, t: torch.Tensor) -> bool:
-        return not t.is_pinned()
+        """Host memory not page-locked yet (device memory, e.g. a resident subgroup's state, needs none)."""
+        return t.device.type == "cpu" and not t.is_pinned()
 
     def pin_registry(self) -> PinRegistry:
         return PinRegistry()

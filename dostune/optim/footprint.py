@@ -1,7 +1,8 @@
 """What a schedule holds in memory, as functions of its Plan: the GPU memory of the step (staging slots, upload
-buffer, kept gradients, resident states) and the host memory (DeepSpeed's states and gradients, the CPU lane's
-half-precision buffers, the shadow states of the CPU lane during backward), and for comparison the host memory of
-DeepSpeed's own ZeRO-Offload. The optimizer's start-up checks, the performance model, the tuner and the bench all
+buffer, kept gradients, resident states) and the host memory (DeepSpeed's states and gradients of the subgroups it
+offloads, its gradient-partition buffer, the CPU lane's half-precision buffers, the shadow states of the subgroups the
+CPU lane updates speculatively during backward), and for comparison the host memory of DeepSpeed's own ZeRO-Offload
+and Twin-Flow. The optimizer's start-up checks, the performance model, the tuner and the bench all
 read them here, so they cannot disagree.
 
 Host memory is what a large model runs out of first: a 7B model's offloaded state is ~18 bytes per parameter
@@ -16,11 +17,15 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
-from .schedule import Plan, ScheduleConfig, kept_gradients, make_plan, streamed_gradients, updates_in_backward
+from .schedule import (Plan, ScheduleConfig, kept_gradients, make_plan, streamed_gradients, twin_flow_gpu_subgroups,
+                       updates_in_backward)
 
 STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
 GRAD_BYTES = 4  # an fp32 gradient per element
 HALF_BYTES = 2  # a bf16/fp16 param per element
+# A resident subgroup's fp32 params, Adam states and fp32 gradients: DeepSpeed's Twin-Flow placement builds its
+# gradient buffer on the GPU beside the params, for the whole run.
+RESIDENT_BYTES = STATE_BYTES + GRAD_BYTES
 # The process itself before any engine: CUDA context, torch, DeepSpeed and their libraries (RSS ~1.0 GiB on the H100
 # host after building llama-7b's partitioned model), with room for the allocator's own overhead.
 HOST_BASE_BYTES = 2 * 2**30
@@ -44,9 +49,22 @@ def cpu_lane_reach(plan: Plan) -> list[int]:
     return list(plan.cpu_order) + list(plan.swing_candidates)
 
 
+def speculative_set(plan: Plan, sched: ScheduleConfig) -> frozenset[int]:
+    """The subgroups the CPU lane during backward may update speculatively, into shadow buffers: with
+    ``speculative_subgroups`` k, the k highest-index subgroups it may get (those whose gradients are final first; a
+    GPU-lane subgroup adaptive_swing may move to it counts only if it is among them, which with gpu_placement
+    "first" means k above the CPU lane's own count); all of them without. The others are updated at the step, in
+    place. The same for every swing of one schedule: ``plan`` is any of them."""
+    if not updates_in_backward(plan, sched):
+        return frozenset()
+    reach = sorted(set(cpu_lane_reach(plan)), reverse=True)
+    k = sched.speculative_subgroups
+    return frozenset(reach if k is None else reach[:k])
+
+
 def resident_bytes(sizes: Sequence[int], plan: Plan) -> int:
-    """GPU memory the resident subgroups' fp32 params and Adam states hold for the whole run."""
-    return STATE_BYTES * sum(sizes[i] for i in plan.resident)
+    """GPU memory the resident subgroups' fp32 params, Adam states and gradients hold for the whole run."""
+    return RESIDENT_BYTES * sum(sizes[i] for i in plan.resident)
 
 
 def staging_slots(sizes: Sequence[int], plan: Plan, staging_buffers: int, grads_on_gpu: bool) -> tuple[int, int, bool]:
@@ -80,12 +98,14 @@ def gpu_step_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -> i
 
 def backward_lane_host_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -> int:
     """Pinned host memory the CPU lane during backward adds: a shadow copy of the fp32 params and Adam states of
-    every subgroup it may update (allocated at start-up), and its ring of half-precision buffers."""
+    every subgroup it may update speculatively (speculative_set, allocated at start-up), and its ring of
+    half-precision buffers (every update it runs, speculative or in place, rounds into one)."""
     if not updates_in_backward(plan, sched):
         return 0
     reach = cpu_lane_reach(plan)
     widest = max(sizes[i] for i in reach)
-    return STATE_BYTES * sum(sizes[i] for i in reach) + half_ring_count(len(reach), widest) * widest * HALF_BYTES
+    shadows = STATE_BYTES * sum(sizes[i] for i in speculative_set(plan, sched))
+    return shadows + half_ring_count(len(reach), widest) * widest * HALF_BYTES
 
 
 def grad_buffer_bytes(precision: str) -> int:
@@ -104,11 +124,19 @@ def lane_buffer_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig) -
     return extra + backward_lane_host_bytes(sizes, plan, sched)
 
 
+def offloaded_host_bytes(sizes: Sequence[int], on_gpu: int, grad_buffer: int = HALF_BYTES) -> int:
+    """Host memory of DeepSpeed 0.19.8's offloaded optimizer on one rank, every buffer allocated once (pageable, or
+    page-locked in place): the fp32 params, fp32 gradients and Adam states of the subgroups it offloads (all but the
+    first ``on_gpu``, which its Twin-Flow placement builds on the GPU), and its gradient-partition buffer, which
+    spans every parameter (``grad_buffer`` bytes per element, see grad_buffer_bytes)."""
+    return (STATE_BYTES + GRAD_BYTES) * sum(sizes[on_gpu:]) + grad_buffer * sum(sizes)
+
+
 def pinned_host_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, grad_buffer: int = HALF_BYTES) -> int:
     """Host memory of dostune's optimizer on one rank, all of it page-locked in place (nothing rounded): DeepSpeed's
-    fp32 params and gradients, the Adam states, DeepSpeed's gradient-partition buffer (``grad_buffer`` bytes per
-    element, see grad_buffer_bytes) and the lanes' own buffers. Add HOST_BASE_BYTES for the process."""
-    return (STATE_BYTES + GRAD_BYTES + grad_buffer) * sum(sizes) + lane_buffer_bytes(sizes, plan, sched)
+    offloaded state (offloaded_host_bytes: none of the resident subgroups', which live on the GPU only) and the
+    lanes' own buffers. Add HOST_BASE_BYTES for the process."""
+    return offloaded_host_bytes(sizes, len(plan.resident), grad_buffer) + lane_buffer_bytes(sizes, plan, sched)
 
 
 def _pinned_rounded(nbytes: int) -> int:
@@ -124,14 +152,15 @@ def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_bu
     HOST_BASE_BYTES for the process. Measured on the H100 host with llama-7b at 1e8-element subgroups: 83.3 GiB
     RSS with pin_memory after the engine was built (this gives 82 GiB before the states, 132 with them: it was
     killed at the first step), 115.0 GiB without (this: 113 + 2). ``ratio`` < 1 is Twin-Flow: DeepSpeed keeps the
-    first int((1 - ratio) * n) subgroups on the GPU and offloads the rest; the gradient-partition buffer still spans
-    every parameter."""
-    offloaded = sizes[int((1 - ratio) * len(sizes)):]
-    total, off = sum(sizes), sum(offloaded)
+    first subgroups on the GPU (schedule.twin_flow_gpu_subgroups) and offloads the rest; the gradient-partition
+    buffer still spans every parameter."""
+    on_gpu = twin_flow_gpu_subgroups(ratio, len(sizes))
     if not pin_memory:
-        return (STATE_BYTES + GRAD_BYTES) * off + grad_buffer * total
-    return 4 * off + sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded) + _pinned_rounded(grad_buffer * total) \
-        + 8 * off
+        return offloaded_host_bytes(sizes, on_gpu, grad_buffer)
+    offloaded = sizes[on_gpu:]
+    off = sum(offloaded)
+    grads = sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded)
+    return 4 * off + grads + _pinned_rounded(grad_buffer * sum(sizes)) + 8 * off
 
 
 # ---------------------------------------------------------------- start-up checks
@@ -147,7 +176,10 @@ def check_staging_fits(opt, schedule: ScheduleConfig, capacity_bytes: Optional[i
     if capacity_bytes is None:
         return
     sizes = _sizes(opt)
-    need = gpu_step_bytes(sizes, make_plan(len(sizes), schedule), schedule)
+    plan = make_plan(len(sizes), schedule)
+    # DeepSpeed built the resident subgroups' fp32 params and gradients on the device already (their Adam states
+    # are still to come): the capacity left is net of them
+    need = gpu_step_bytes(sizes, plan, schedule) - (4 + GRAD_BYTES) * sum(sizes[i] for i in plan.resident)
     if need > capacity_bytes:
         raise ConfigError(
             f"the dostune schedule stages {need / 2**30:.1f} GiB on the GPU during the step, but only "
@@ -185,26 +217,29 @@ def available_host_bytes() -> Optional[int]:
 
 def check_host_fits(opt, schedule: ScheduleConfig, available: Optional[int] = None) -> None:
     """Refuse at start-up, with the numbers, what the optimizer would still allocate in host memory beyond what is
-    available (the Adam states DeepSpeed has not created yet, which the optimizer creates up front, and the lanes'
-    buffers: the shadow states of the CPU lane during backward above all), rather than swap or be killed by the
-    OOM killer mid-run."""
+    available (the Adam states DeepSpeed has not created yet for the subgroups it offloads, which the optimizer
+    creates up front, and the lanes' buffers: the shadow states of the speculative CPU lane above all), rather than
+    swap or be killed by the OOM killer mid-run. The resident subgroups' Adam states are created on the GPU."""
     available = available_host_bytes() if available is None else available
     if available is None:
         return
     sizes = _sizes(opt)
     plan = make_plan(len(sizes), schedule)
-    missing = [n for i, n in enumerate(sizes) if not opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[i])]
-    states = 8 * sum(missing)
+    resident = frozenset(plan.resident)
+    missing = [n for i, n in enumerate(sizes)
+               if i not in resident and not opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[i])]
+    states = 8 * sum(missing)  # exp_avg and exp_avg_sq
     lanes = lane_buffer_bytes(sizes, plan, schedule)
     need = states + lanes
     if need > HOST_USABLE_SHARE * available:
         parts = [f"Adam states {states / 2**30:.1f}"] if states else []
         if lanes:
             parts.append(f"the lanes' buffers {lanes / 2**30:.1f}" + (
-                " (shadow states of the CPU lane during backward)" if updates_in_backward(plan, schedule) else ""))
+                " (shadow states of the CPU lane during backward)" if speculative_set(plan, schedule) else ""))
         raise ConfigError(
             f"dostune needs {need / 2**30:.1f} GiB more host memory on this rank ({', '.join(parts)} GiB), but only "
             f"{available / 2**30:.1f} GiB are available",
-            hint="set overlap_backward false (its shadow states cost 12 bytes per CPU-lane parameter), lower "
-                 "adaptive_swing, or raise gpu_fraction; set offload_optimizer.pin_memory false (dostune pins in "
-                 "place, DeepSpeed's pinned copies are rounded up to powers of two); fewer ranks per node")
+            hint="lower speculative_subgroups or set overlap_backward false (each subgroup updated speculatively "
+                 "during backward holds 12 bytes of shadow states per parameter), or raise resident_subgroups (their "
+                 "state lives on the GPU only); set offload_optimizer.pin_memory false (dostune pins in place, "
+                 "DeepSpeed's pinned copies are rounded up to powers of two); fewer ranks per node")

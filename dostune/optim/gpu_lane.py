@@ -6,8 +6,9 @@ pass. Two kinds of subgroup, each its own lane object:
   update; slots are reused round robin, each refill waiting (a CUDA event) for the slot's previous write-back.
   The CPU-lane subgroups adaptive_swing lends to the GPU lane (``Plan.lent``) are streamed the same way, their
   gradients streamed in from DeepSpeed's fp32 host buffer with the states (where backward offloaded them);
-* resident (``ResidentGpuLane``, ``resident_subgroups``): the states stay on the GPU for the run; the update
-  streams nothing over PCIe, and the host copies are brought up to date only when DeepSpeed reads them.
+* resident (``ResidentGpuLane``, ``resident_subgroups``): DeepSpeed built the subgroup's fp32 params, gradient
+  buffer and (through host_state.py) Adam states on the GPU and keeps no host copy; the update runs on them in place
+  and streams nothing over PCIe.
 
 Everything is queued on the lane streams (queues.py) up front; nothing here blocks the host.
 """
@@ -177,83 +178,25 @@ class StreamedGpuLane:
 
 
 class ResidentGpuLane:
-    def __init__(self, host: HostStates, grads: GradRouting, queues: Queues, lane_adam: LaneAdam,
-                 device: torch.device):
-        self._host, self._grads, self._q, self._adam, self._device = host, grads, queues, lane_adam, device
+    """Updates the resident subgroups in place, on DeepSpeed's own tensors: the fp32 params and Adam states its
+    checkpoints and accessors read, and the fp32 gradient buffer the kept gradients were written to in backward
+    (grads.py), all on the device (on a CPU device, in the one memory there is)."""
+
+    def __init__(self, host: HostStates, queues: Queues, lane_adam: LaneAdam):
+        self._host, self._q, self._adam = host, queues, lane_adam
         self._subgroups: tuple = ()
-        # The GPU copies (kept for the run), which of them match the host copies DeepSpeed holds (else uploaded
-        # before the next update), and which host copies are behind.
-        self._buffers: dict[int, Buffers] = {}
-        self._fresh: set = set()
-        self._stale: set = set()
 
     def set_plan(self, plan: Plan) -> None:
         self._subgroups = plan.resident
 
-    def reserve(self) -> frozenset:
-        """Allocate the GPU copies not made yet (at the first step; they are kept for the run), before anything is
-        queued; returns the subgroups whose copies the device cannot give (updated on the host this step, tried
-        again at the next)."""
-        failed = set()
-        for i in self._subgroups:
-            if i in self._buffers:
-                continue
-            try:
-                with self._q.on("compute"):  # allocated where it is used
-                    self._buffers[i] = empty_buffers(self._host.numel(i), self._device)
-            except torch.OutOfMemoryError:
-                failed.add(i)
-                continue
-            self._fresh.discard(i)
-        return frozenset(failed)
-
     def queue(self, inv: float, scalars: dict, trace: list) -> None:
-        """Queue every resident subgroup's update on the GPU copies, uploaded first only if the host copies
-        changed (the first step, a checkpoint load); nothing is written back."""
+        """Queue every resident subgroup's update; nothing is copied in or out."""
         host, q = self._host, self._q
         for i in self._subgroups:
-            buf = self._buffers[i]  # reserve's
-            h2d_done = None
-            if i not in self._fresh:
-                with q.on("h2d"):
-                    t_in = q.record("h2d")
-                    buf.copy_from(host.live(i))
-                    h2d_done = q.record("h2d")
-                trace.append(("h2d", i, t_in, h2d_done))
-                self._fresh.add(i)
-            g = self._grads.device[i]
+            live = host.live(i)
             with q.on("compute"):
-                q.wait("compute", h2d_done)
                 step = host.advance(i)
                 t_c = q.record("compute")
-                self._adam.update(buf.p, g, buf.m, buf.v, host.half(i), inv, step, host.group(i), scalars.get(i))
+                self._adam.update(live.p, host.grad(i), live.m, live.v, host.half(i), inv, step, host.group(i),
+                                  scalars.get(i))
                 trace.append(("gpu", i, t_c, q.record("compute")))
-            self._stale.add(i)
-
-    def sync_host(self, subgroups: Optional[tuple] = None) -> None:
-        """Bring the host copies of ``subgroups`` (None: all) up to date (DeepSpeed's checkpoints and fp32 accessors
-        read those, and an update on the host starts from them). Blocks until the copies are done; a no-op when
-        none is behind."""
-        behind = self._stale if subgroups is None else self._stale.intersection(subgroups)
-        if not behind:
-            return
-        q = self._q
-        with torch.no_grad(), q.on("d2h"):
-            q.wait("d2h", q.record("compute"))
-            for i in sorted(behind):
-                self._host.live(i).copy_from(self._buffers[i])
-        q.sync("d2h")
-        self._stale -= behind
-
-    def host_changed(self, i: Optional[int] = None) -> None:
-        """The host copies of subgroup i (None: all) were replaced or written: they are now the truth, and the GPU
-        copies are uploaded again before their next update."""
-        if i is None:
-            self._fresh.clear()
-            self._stale.clear()
-        else:
-            self._fresh.discard(i)
-            self._stale.discard(i)
-
-    def close(self) -> None:
-        self._buffers.clear()

@@ -7,6 +7,8 @@ keep them elsewhere instead, decided per subgroup whenever the lanes are planned
 * GPU-lane subgroups with ``grads_on_gpu``: the partition is widened into a buffer on the device ("device"), so the
   GPU lane does not stream it back in (not those adaptive_swing lent from the CPU lane: DeepSpeed's offload takes
   theirs, and the GPU lane streams them in with the states);
+* resident subgroups: DeepSpeed's fp32 buffer itself is on the device (its Twin-Flow placement), so the partition
+  is widened into it there, without DeepSpeed's temporary, and its accessors find it where they look;
 * CPU-lane subgroups updated during backward: the CPU lane reads the half-precision copy DeepSpeed's
   ``partition_grads`` already put in its pinned gradient-partition buffer ("half"), so DeepSpeed's fp32 conversion
   and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
@@ -91,8 +93,11 @@ class GradRouting:
         """Route each subgroup for the lanes of ``plan``; ``in_backward``: the subgroups the CPU lane updates during
         backward, whose ``on_final(subgroup, parameter id)`` is called as each of their gradients is final."""
         kept = kept_gradients(plan, self._grads_on_gpu)  # a lent subgroup's are offloaded as the CPU lane's are
+        resident = frozenset(plan.resident)
         for i in range(len(self._keep)):
             self._keep[i] = self._keep_device if i in kept else None
+            if i in resident:
+                self._keep[i] = self._keep_in_place
             self._final[i] = None
             if i in in_backward:
                 self._keep[i] = self._keep_half if i in self.slices else None
@@ -100,6 +105,7 @@ class GradRouting:
         # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
         # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
         # GPU lane holds the first layers) off the stream backward's end waits for.
+        kept = kept | resident
         self._skip_host_copy = kept if self._opt.dtype != torch.float16 else frozenset()
 
     def clear(self) -> None:
@@ -176,6 +182,14 @@ class GradRouting:
         self.home[i] = "device"
         # One widening kernel straight into the buffer, without .to(fp32)'s temporary; bf16/fp16 -> fp32 is exact.
         buf.narrow(0, dest_offset, grad.numel()).copy_(grad, non_blocking=True)
+        return True
+
+    def _keep_in_place(self, i: int, pid: int, dest_offset: int, grad: torch.Tensor) -> bool:
+        """Write the gradient into DeepSpeed's own fp32 buffer of a resident subgroup, which lies on the device:
+        what DeepSpeed's offload writes there, with one widening kernel and dostune's norm record."""
+        self._norms.record(pid, grad)
+        fp32_grad = self._opt.fp32_partitioned_groups_flat[i].grad
+        fp32_grad.narrow(0, dest_offset, grad.numel()).copy_(grad, non_blocking=True)
         return True
 
     def partition(self, params_to_release, grad_partitions) -> Optional[list]:

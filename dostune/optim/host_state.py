@@ -1,6 +1,11 @@
-"""The host state of each subgroup: DeepSpeed's fp32 params and DeepSpeedCPUAdam's exp_avg / exp_avg_sq, which
-every lane reads and writes, and the buffers of the same shape (staging slots, resident copies, shadows) that
-they are copied to and from. Written once here; the lanes only say where from and where to."""
+"""The state of each subgroup: DeepSpeed's fp32 params and DeepSpeedCPUAdam's exp_avg / exp_avg_sq, which every lane
+reads and writes, and the buffers of the same shape (staging slots, shadows) that they are copied to and from.
+Written once here; the lanes only say where from and where to.
+
+DeepSpeed holds the state where its offload placement put it: in host memory for the subgroups it offloads, on the
+GPU for the first ones with ``offload_optimizer.ratio`` below 1 (its Twin-Flow placement), which are dostune's
+resident subgroups. Both are the tensors DeepSpeed's checkpoints and fp32 accessors read (the Adam states in
+``optimizer.state[fp32 params]``), so there is one copy of each subgroup's state, wherever it lies."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
@@ -42,13 +47,11 @@ def pinned_buffers(i: int, n: int, pin: Callable, prefix: str) -> Buffers:
 
 
 class HostStates:
-    """DeepSpeed's host copies of every subgroup's state, page-locked so that the lanes can copy them
-    asynchronously, and the one place that swaps in new ones. ``on_replaced(i)`` is told when subgroup i's host
-    copies were replaced (a checkpoint load), so that copies kept elsewhere are refreshed from them."""
+    """DeepSpeed's copies of every subgroup's state, those in host memory page-locked so that the lanes can copy
+    them asynchronously, and the one place that swaps in new ones."""
 
-    def __init__(self, opt, device: "Device", pins, on_replaced: Callable[[int], None]):
+    def __init__(self, opt, device: "Device", pins):
         self._opt, self._device, self._pins = opt, device, pins
-        self._on_replaced = on_replaced
         self.count = len(opt.fp16_groups)
 
     def _fp32(self, i: int) -> torch.Tensor:
@@ -88,22 +91,23 @@ class HostStates:
         return state["step"]
 
     def adopt(self, i: int) -> None:
-        """Create Adam state up front (DeepSpeedCPUAdam creates it lazily, pageable) and page-lock the subgroup's
-        fp32 params, gradients and states."""
+        """Create Adam state up front, beside the fp32 params (DeepSpeedCPUAdam creates it lazily, pageable; a
+        resident subgroup's is created on the GPU, where DeepSpeed built its params), and page-lock the subgroup's
+        fp32 params, gradients and states where they are in host memory."""
         fp32 = self._fp32(i)
         state = self._adam(i)
         if len(state) == 0:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(fp32.data)
             state["exp_avg_sq"] = torch.zeros_like(fp32.data)
-        self._on_replaced(i)
         for kind, t in (("param", fp32.data), ("grad", fp32.grad), ("exp_avg", state["exp_avg"]),
                         ("exp_avg_sq", state["exp_avg_sq"])):
             if t is not None:
                 self._pins.pin((i, kind), t)
 
     def ensure_pinned(self, i: int) -> None:
-        """Adopt subgroup i again if a checkpoint load replaced its states (unpinned, or not created yet)."""
+        """Adopt subgroup i again if a checkpoint load replaced its states (unpinned host memory, or not created
+        yet)."""
         state = self._adam(i)
         if not state or any(self._device.needs_pinning(t) for t in self.live(i)):
             self.adopt(i)

@@ -19,6 +19,15 @@ To waste little when clipping does trigger, each subgroup's squared gradient nor
 sum as it becomes ready; once that partial norm alone exceeds the clipping threshold (the final norm can
 only be larger), speculation stops and the remaining subgroups wait for the real factor.
 
+Host memory. Each speculative subgroup needs shadow buffers of its size (12 bytes per element). With
+``speculative_subgroups`` only that many have them (``speculative``: the first whose gradients are final);
+the others never speculate: the worker takes them once the real factor is known, at the step, and updates
+them in place with the same kernel (the arithmetic of an in-place DeepSpeedCPUAdam call), while the host
+goes on with the step and the GPU lane runs. Doing that in this worker rather than with DeepSpeed's own
+update on the host thread keeps one owner of the CPU cores, starts the updates while the host is still
+releasing the parameters, and reads the gradients backward left in the pinned half-precision buffer, so
+backward copies no fp32 gradient for them.
+
 The worker is a Python thread whose CPU Adam runs in C with the GIL released (ctypes), so backward's own
 hooks keep running. The new half-precision params are produced by the same pass and uploaded on a
 low-priority CUDA stream as each subgroup finishes.
@@ -30,7 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Optional
 
 import numpy as np
 import torch
@@ -64,21 +73,24 @@ class SubgroupIO:
 @dataclass
 class StepOutcome:
     committed: list[int] = field(default_factory=list)  # shadows now hold the new state: swap them in
+    in_place: list[int] = field(default_factory=list)  # updated in place with the real factor: count their step
     speculative: int = 0  # subgroups updated before the real factor was known (during backward)
     redone: int = 0  # of those, recomputed with the real clipping factor
     spans: list = field(default_factory=list)  # ("cpu", subgroup, t0, t1) host times of each update
 
 
 class BackwardOverlap:
-    """``partial_norm_cutoff``: stop speculating once the partial norm makes clipping certain (False: every subgroup
-    speculates, and a step that clips recomputes them all). ``wrap_update``: wraps the per-subgroup update once (None:
-    the update as it is). Both are cpu_lane.CpuLaneSeams'."""
+    """``speculative``: the subgroups that may be updated during backward, into shadow buffers (the others are updated
+    in place at the step). ``partial_norm_cutoff``: stop speculating once the partial norm makes clipping certain
+    (False: every speculative subgroup speculates, and a step that clips recomputes them all). ``wrap_update``: wraps
+    the per-subgroup update once (None: the update as it is). The last two are cpu_lane.CpuLaneSeams'."""
 
     def __init__(self, subgroups: list[int], io: Callable[[int], SubgroupIO],
                  scalars: Callable[[], dict[int, AdamScalars]], device: "Device", pin: Callable,
-                 threads_backward: int, threads_step: int, ring: int, partial_norm_cutoff: bool = True,
-                 wrap_update: Optional[Callable[[Callable], Callable]] = None):
+                 threads_backward: int, threads_step: int, ring: int, speculative: Collection[int],
+                 partial_norm_cutoff: bool = True, wrap_update: Optional[Callable[[Callable], Callable]] = None):
         self.subgroups = list(subgroups)
+        self._shadowed = frozenset(speculative)
         self._io, self._scalars_fn, self._pin = io, scalars, pin
         self._device = device
         self.threads_backward, self.threads_step = threads_backward, threads_step
@@ -105,6 +117,7 @@ class BackwardOverlap:
         self._queued: set[int] = set()
         self._speculative: set[int] = set()
         self._final: set[int] = set()
+        self._in_place: list[int] = []
         self._stop_speculating = False
         self._error: Optional[BaseException] = None
         self._spans: list = []
@@ -169,6 +182,7 @@ class BackwardOverlap:
         out = StepOutcome(speculative=len(self._speculative), spans=self._spans)
         if inv is not None:
             out.committed = sorted(self._final)
+            out.in_place = sorted(self._in_place)
             out.redone = 0 if commit else len(self._speculative)
         self._begin_step()
         return out
@@ -211,7 +225,7 @@ class BackwardOverlap:
                 if task[0] == "ready":
                     _, i, event, partial_sq = task
                     self._device.wait_for(event)  # the subgroup's gradient copies (and its partial norm) are done
-                    if self._may_speculate(partial_sq):
+                    if self._may_speculate(i, partial_sq):
                         self._run_update(i, self.spec_inv,
                                          self.threads_backward if self._submitted is None else self.threads_step)
                         self._speculative.add(i)
@@ -226,7 +240,8 @@ class BackwardOverlap:
                     redo = [] if commit else sorted(self._speculative)
                     for i in redo + deferred:
                         self._run_update(i, inv, self.threads_step)
-                    self._final = set(self._speculative) | set(deferred)
+                    self._final = set(self._speculative) | {i for i in deferred if i in self._shadowed}
+                    self._in_place = [i for i in deferred if i not in self._shadowed]
                 self._sync_uploads()
             except BaseException as e:  # noqa: BLE001 - handed to the step, which raises it
                 self._error = e
@@ -236,8 +251,8 @@ class BackwardOverlap:
                 deferred = []
                 self._done.set()
 
-    def _may_speculate(self, partial_sq) -> bool:
-        if self.spec_inv is None or self._stop_speculating:
+    def _may_speculate(self, i: int, partial_sq) -> bool:
+        if i not in self._shadowed or self.spec_inv is None or self._stop_speculating:
             return False
         if partial_sq is not None and self._partial_norm_cutoff and \
                 clipping_certain(partial_sq, self.loss_scale, self.clip_threshold):
@@ -253,6 +268,9 @@ class BackwardOverlap:
             self._buffers(i, self._io(i))
 
     def _buffers(self, i: int, io: SubgroupIO) -> Buffers:
+        """Where subgroup i's update writes: its shadow buffers, or its live state for one updated in place."""
+        if i not in self._shadowed:
+            return Buffers(io.param, io.exp_avg, io.exp_avg_sq)
         b = self._shadows.get(i)
         n = io.param.numel()
         if b is None or b.p.numel() != n:

@@ -1,17 +1,16 @@
 """GPU memory pressure: what a step does when the device cannot give it the memory it allocates anew each step.
 
 Beyond what the run holds, the step allocates on the device (footprint.gpu_step_bytes): the streamed GPU lane's
-staging slots at the step's start, the GPU-lane subgroups' kept gradients during backward, the resident subgroups'
-copies at the first step, and the CPU lane's fp32 upload buffer. On a shared GPU another process may have taken that
-memory by then. Rather than fail the run with PyTorch's out-of-memory error, the step goes on without it, to the
-same values. All but the upload buffer are reserved before any GPU-lane work is queued (step.py ``_plan_step``), so
-the step's plan is decided with nothing half queued:
+staging slots at the step's start, their kept gradients during backward, and the CPU lane's fp32 upload buffer (the
+resident subgroups allocate nothing: DeepSpeed built their state and gradient buffer on the device at start-up). On
+a shared GPU another process may have taken that memory by then. Rather than fail the run with PyTorch's
+out-of-memory error, the step goes on without it, to the same values. All but the upload buffer are reserved before
+any GPU-lane work is queued (step.py ``_plan_step``), so the step's plan is decided with nothing half queued:
 
 * no staging slots: none of the streamed GPU-lane subgroups is queued on the GPU lane; the step's plan moves them
   to its ``fallback`` (schedule.make_plan);
-* no kept-gradient buffer for a GPU-lane subgroup: DeepSpeed's own offload takes its gradients (grads.py), and the
-  subgroup joins the step's ``fallback`` (a resident one too: it cannot update on the GPU without them);
-* no device copy for a resident subgroup (the first step): it joins the ``fallback`` until one can be made;
+* no kept-gradient buffer for a streamed GPU-lane subgroup: DeepSpeed's own offload takes its gradients (grads.py),
+  and the subgroup joins the step's ``fallback``;
 * the fallback's subgroups are updated as DeepSpeed updates every subgroup: DeepSpeedCPUAdam in place on the host
   states, from DeepSpeed's fp32 gradient buffer (kept gradients are copied there first), then DeepSpeed's own
   blocking copy into the half-precision partition, which converts on the host and needs no device memory;

@@ -49,7 +49,8 @@ class ScheduleConfig(BaseModel):
         "how CPU-updated subgroups reach the GPU's half-precision params: upload fp32 and convert on the "
         "GPU, or convert on the CPU and upload half precision"))
     grads_on_gpu: bool = Field(True, description=(
-        "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them"))
+        "keep GPU-lane subgroups' gradients on the GPU after backward instead of offloading them (the resident "
+        "subgroups' are on the GPU either way)"))
     overlap_backward: bool = Field(False, description=(
         "update CPU-lane subgroups during backward, each as soon as its gradients are final (the last layers "
         "first), into shadow buffers that the step commits once the global gradient norm shows no clipping and "
@@ -57,11 +58,17 @@ class ScheduleConfig(BaseModel):
     backward_cpu_threads: Optional[int] = Field(None, ge=1, description=(
         "CPU Adam threads while backward still runs (default: one fewer than cpu_threads, leaving a core to "
         "backward's own host work)"))
+    speculative_subgroups: Optional[int] = Field(None, ge=0, description=(
+        "with overlap_backward: how many CPU-lane subgroups are updated during backward, speculatively, into shadow "
+        "buffers (those whose gradients are final first: the highest indices); the others are updated at the step, "
+        "in place, beside the GPU lane. Each speculating subgroup costs 12 bytes of host memory per parameter "
+        "(its shadow states); unset (the default): every subgroup the CPU lane may update speculates"))
     resident_subgroups: int = Field(0, ge=0, description=(
-        "how many GPU-lane subgroups (the first ones) keep their fp32 params and Adam states on the GPU between "
-        "steps: their update streams nothing over PCIe. Costs 12 bytes of GPU memory per parameter of those "
-        "subgroups for the whole run (dostune tune spends the peak-memory allowance --max-peak-increase on it); "
-        "the host copies are brought up to date when a checkpoint is saved. Needs grads_on_gpu"))
+        "how many GPU-lane subgroups (the first ones) keep their fp32 params, gradients and Adam states on the GPU "
+        "for the whole run, with no copy in host memory: their update streams nothing over PCIe. DeepSpeed builds "
+        "them there (its Twin-Flow placement: zero_optimization.offload_optimizer.ratio, which dostune tune writes "
+        "from this count). Costs 16 bytes of GPU memory per parameter of those subgroups (dostune tune spends the "
+        "peak-memory allowance --max-peak-increase on it) and saves as much host memory. Needs gpu_placement first"))
     adaptive_swing: int = Field(0, ge=0, description=(
         "let up to this many subgroups move between the lanes from step to step, either way: the CPU lane takes "
         "the GPU lane's streamed subgroups (the highest indices, whose gradients are final first) while the "
@@ -86,9 +93,10 @@ class ScheduleConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _resident_needs_kept_gradients(self) -> "ScheduleConfig":
-        if self.resident_subgroups and not self.grads_on_gpu:
-            raise ValueError("resident_subgroups needs grads_on_gpu true (the update reads the kept gradients)")
+    def _resident_subgroups_come_first(self) -> "ScheduleConfig":
+        if self.resident_subgroups and self.gpu_placement != "first":
+            raise ValueError("resident_subgroups needs gpu_placement 'first' (DeepSpeed keeps the first subgroups' "
+                             "state on the GPU)")
         return self
 
     @classmethod
@@ -120,6 +128,43 @@ def gpu_fraction_for(count: int, num_subgroups: int) -> float:
     """The ``gpu_fraction`` that puts exactly ``count`` of ``num_subgroups`` subgroups on the GPU lane: the one
     conversion from a subgroup count (what the tuner searches) to the config's form (gpu_count's inverse)."""
     return min(1.0, count / num_subgroups) if num_subgroups else 0.0
+
+
+def twin_flow_gpu_subgroups(ratio: float, num_subgroups: int) -> int:
+    """How many subgroups DeepSpeed 0.19.8 builds on the GPU at ``zero_optimization.offload_optimizer.ratio``
+    ``ratio`` (its Twin-Flow placement): the first int((1 - ratio) * n). The rest are offloaded to the host."""
+    return int((1 - ratio) * num_subgroups)
+
+
+def resident_offload_ratio(resident: int, num_subgroups: int) -> float:
+    """The ``offload_optimizer.ratio`` at which DeepSpeed builds exactly the first ``resident`` of ``num_subgroups``
+    subgroups on the GPU (twin_flow_gpu_subgroups' inverse): the one with the fewest decimals, 1.0 for none."""
+    if not 0 <= resident <= num_subgroups:
+        raise ValueError(f"resident must be in [0, {num_subgroups}], got {resident}")
+    if resident == 0:
+        return 1.0
+    n = num_subgroups
+    for digits in range(1, 16):
+        scale = 10 ** digits
+        top = math.floor((n - resident) / n * scale)
+        # the largest decimals at or below (n - resident) / n; the one below it where rounding lands on the edge
+        for k in (top, top - 1):
+            if twin_flow_gpu_subgroups(k / scale, n) == resident:
+                return k / scale
+    raise ValueError(f"no offload ratio keeps exactly {resident} of {n} subgroups on the GPU")
+
+
+def resident_placement_problem(ratio: float, num_subgroups: int, sched: "ScheduleConfig") -> Optional[str]:
+    """Why DeepSpeed at ``offload_optimizer.ratio`` ``ratio`` would not build exactly the schedule's resident
+    subgroups on the GPU (None: it would): their state must be where DeepSpeed builds it, and no other's."""
+    on_gpu = twin_flow_gpu_subgroups(ratio, num_subgroups)
+    r = sched.resident_subgroups
+    if on_gpu == r:
+        return None
+    want = repr(resident_offload_ratio(r, num_subgroups)) if r <= num_subgroups else "1.0 and fewer resident_subgroups"
+    return (f"offload_optimizer.ratio {ratio:g} keeps {on_gpu} of the {num_subgroups} subgroups on the GPU, but "
+            f"resident_subgroups is {r} (DeepSpeed keeps the first int((1 - ratio) * subgroups) on the GPU: set the "
+            f"ratio to {want})")
 
 
 def assign_lanes(num_subgroups: int, gpu_fraction: float, placement: str = "spread") -> list[str]:
@@ -194,8 +239,10 @@ def updates_in_backward(plan: Plan, sched: ScheduleConfig) -> bool:
 
 
 def kept_gradients(plan: Plan, grads_on_gpu: bool) -> frozenset:
-    """The GPU-lane subgroups whose gradients backward keeps on the GPU (grads_on_gpu): all but the lent ones."""
-    return frozenset(plan.gpu_subgroups).difference(plan.lent) if grads_on_gpu else frozenset()
+    """The streamed GPU-lane subgroups whose gradients backward keeps on the GPU (grads_on_gpu): all but the lent ones.
+    (A resident subgroup's gradients are on the GPU whatever grads_on_gpu says: DeepSpeed's own buffer is there.)"""
+    streamed = frozenset(s.subgroup for s in plan.gpu_slots)
+    return streamed.difference(plan.lent) if grads_on_gpu else frozenset()
 
 
 def streamed_gradients(plan: Plan, grads_on_gpu: bool) -> frozenset:

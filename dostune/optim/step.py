@@ -55,12 +55,12 @@ class InterleavedStep:
         d = opt.optimizer.defaults
         self.lane_adam = device.lane_adam(d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
                                           opt.optimizer.adam_w_mode)
-        self.host = HostStates(opt, device, self.pins, on_replaced=self.host_changed)
+        self.host = HostStates(opt, device, self.pins)
         self.norms = GradNorms(opt, device)
         self.grads = GradRouting(opt, self.norms, device, schedule.grads_on_gpu)
         self.adam = AdamSteps(opt, self.host, self.lane_adam)
         self.pressure = MemoryPressure()
-        self.resident = ResidentGpuLane(self.host, self.grads, q, self.lane_adam, device.torch_device)
+        self.resident = ResidentGpuLane(self.host, q, self.lane_adam)
         self.streamed = StreamedGpuLane(self.host, self.grads, q, self.lane_adam, schedule.staging_buffers,
                                         schedule.grads_on_gpu, device.torch_device)
         for i in range(self.count):
@@ -98,42 +98,33 @@ class InterleavedStep:
 
     def _plan_step(self) -> None:
         """Decide this step's plan before any GPU-lane work is queued: ``self.plan``, unless the GPU memory it
-        allocates cannot be had (pressure.py); then the GPU-lane subgroups concerned go to the plan's fallback."""
+        allocates cannot be had (pressure.py); then the GPU-lane subgroups concerned go to the plan's fallback. The
+        resident subgroups allocate nothing: DeepSpeed built their state and gradient buffer at start-up."""
         self.grads.reserve(self.plan.gpu_subgroups)
         lost = frozenset(self.grads.lost)  # gradient buffers, in backward or just now
-        unplaced = self.resident.reserve()  # resident copies not made yet
-        missing = [what for what, subgroups in (("gradient buffers", lost), ("resident copies", unplaced)) if subgroups]
-        if lost or unplaced:
-            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing, fallback=lost | unplaced))
+        missing = ["gradient buffers"] if lost else []
+        if lost:
+            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing, fallback=lost))
         if not self.streamed.reserve():
             streamed = frozenset(s.subgroup for s in self.step_plan.gpu_slots)
-            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing,
-                                     fallback=lost | unplaced | streamed))
+            self._run_plan(make_plan(self.count, self.schedule, swing=self.split.swing, fallback=lost | streamed))
             missing.append("staging slots")
         if missing:
             self.pressure.gpu_lane_fell_back(self.step_plan.fallback, " and ".join(missing))
 
     def _fall_back(self, inv, trace: list) -> None:
-        """Update the step plan's fallback on the host as DeepSpeed does (pressure.py), from DeepSpeed's host copies
-        (a resident subgroup's brought up to date first, and its GPU copy uploaded again before its next update
-        there) and its fp32 gradient buffer."""
-        host, fallen = self.host, self.step_plan.fallback
-        self.resident.sync_host(fallen)
-        for i in fallen:
+        """Update the step plan's fallback (streamed GPU-lane subgroups, never resident ones) on the host as DeepSpeed
+        does (pressure.py), from DeepSpeed's host copies and its fp32 gradient buffer."""
+        host = self.host
+        for i in self.step_plan.fallback:
             self.grads.to_host(i)
             deepspeed_update(self.opt, host, i, inv, trace)
             deepspeed_upload(i, host.live(i).p, host.half(i), trace)
-            self.resident.host_changed(i)
-
-    def host_changed(self, i=None) -> None:
-        """DeepSpeed's host copies of subgroup i (None: all) were replaced or written."""
-        self.resident.host_changed(i)
 
     def close(self) -> None:
         self.cpu.close()
         self.pins.close()
         self.lane_adam.close()
-        self.resident.close()
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:

@@ -26,19 +26,35 @@ set_fp32_grad_for_param                              refuse to change a gradient
 set_local_grad_for_param                             likewise
 update_fp32_grad_for_param_vectorized                refused for gradients kept elsewhere, not silently ignored
                                                      (-> GradRouting.refuse_vectorized_update)
-state_dict                                           reads DeepSpeed's host copies: the resident subgroups' GPU copies
-                                                     are written back first (-> ResidentGpuLane.sync_host)
-get_full_hp_param                                    likewise
-get_local_fp32_param                                 likewise
-load_state_dict                                      writes the host copies: written back first (a partial write keeps
-                                                     the rest), uploaded to the GPU again after
-                                                     (-> ResidentGpuLane.sync_host, host_changed)
-load_hp_checkpoint_state_from_checkpoint_dir_stage3  likewise
-set_full_hp_param                                    likewise
-set_local_hp_param                                   likewise
-refresh_fp32_params                                  rewrites the host copies (-> ResidentGpuLane.host_changed)
-destroy                                              stops the CPU-lane worker, unpins host memory, frees the GPU copies
+destroy                                              stops the CPU-lane worker and unpins host memory
                                                      (-> InterleavedStep.close)
+
+The resident subgroups (``resident_subgroups``) use DeepSpeed's own Twin-Flow placement unchanged: with
+``offload_optimizer.ratio`` below 1 its constructor builds the first int((1 - ratio) * n) subgroups' fp32 params
+(``_create_fp32_partitions``, from the half-precision partition, straight on the GPU) and fp32 gradient buffers
+(``initialize_optimizer_states``, which zeroes each in host memory first: one subgroup's 4 bytes per element at a
+time, freed at once) on the GPU and keeps no host copy, which is the resident subgroups' state with
+gpu_placement "first": the emitted config writes that ratio from the schedule (dsconfig.py), and ``adopt`` refuses
+one that disagrees. That beats moving the state to the GPU after DeepSpeed built it on the host: the host copy would
+exist at start-up, and a 13B model's is what does not fit a 125 GiB host. Their Adam states are created beside the
+params, on the GPU (host_state.py), in ``optimizer.state[fp32 params]``, where DeepSpeed's checkpoint reads them.
+DeepSpeed methods this leaves as they are, and why that is right:
+
+_optimizer_step, backup_optimizer                    DeepSpeed's Twin-Flow steps its GPU subgroups with a torch AdamW
+                                                     of its own (different arithmetic, states outside the checkpoint);
+                                                     the GPU lane updates the resident subgroups instead, from the
+                                                     DeepSpeedCPUAdam states, with DeepSpeedCPUAdam's arithmetic, and
+                                                     never hands one to _optimizer_step (pressure.py's fallback takes
+                                                     streamed subgroups only: the resident ones allocate nothing)
+_rigid_state_dict, get_full_hp_param,                read the tensors where they are: one copy of each subgroup's
+get_local_fp32_param                                 state, on the GPU for the resident ones (a checkpoint holds them
+                                                     as DeepSpeed's, and loads anywhere with map_location 'cpu')
+_rigid_load_state_dict, set_full_hp_param,           write them where they are: fp32 params by copy_, the Adam states
+set_local_hp_param, refresh_fp32_params,             through torch's Optimizer.load_state_dict, which moves each saved
+load_hp_checkpoint_state_from_checkpoint_dir_stage3  state to its param's device; so a checkpoint of plain DeepSpeed at
+                                                     ratio 1.0 loads into the resident subgroups and one of theirs into
+                                                     plain DeepSpeed, bit for bit; the lanes read the state afresh
+                                                     each step (host_state.py pins replaced host tensors)
 
 The object is created by DeepSpeed as a ``DeepSpeedZeroOptimizer_Stage3`` and re-classed by
 :meth:`InterleavedZeroOptimizer.adopt` once its ``_dos`` (the InterleavedStep) is built, so DeepSpeed's engine,
@@ -56,7 +72,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from ..deepspeed_support import check_deepspeed, remember_cpu_info
 from ..errors import ConfigError
 from .cpu_lane import CpuLaneSeams
-from .schedule import Plan, ScheduleConfig
+from .schedule import Plan, ScheduleConfig, resident_placement_problem
 from .step import InterleavedStep
 from .timeline import Span
 
@@ -69,8 +85,6 @@ def unsupported_reason(opt: DeepSpeedZeroOptimizer_Stage3) -> Optional[str]:
         return "zero_optimization.offload_optimizer.device must be 'cpu' (the optimizer state is not offloaded)"
     if opt.swap_optimizer:
         return "offload_optimizer.device 'nvme' is not supported, use 'cpu'"
-    if opt.partial_offload != 1.0:
-        return f"offload_optimizer.ratio must be 1.0 (Twin-Flow), got {opt.partial_offload}"
     if type(opt.optimizer) is not DeepSpeedCPUAdam:
         return f"the base optimizer must be DeepSpeedCPUAdam (Adam/AdamW), got {type(opt.optimizer).__name__}"
     if getattr(opt, "use_muon", False):
@@ -120,6 +134,10 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"at sub_group_size {opt.sub_group_size:g}",
                 hint="tune for exactly this model (a Hugging Face model: --model hf:its-config.json; the subgroups follow "
                      "its parameter order), or carry the schedule over with `dostune refit`")
+        problem = resident_placement_problem(opt.partial_offload, n, schedule)
+        if problem is not None:
+            raise ConfigError(f"the dostune schedule cannot run with this DeepSpeed config: {problem}",
+                              hint="let `dostune tune` or `dostune refit` write the config; they set the ratio")
         opt._dos = InterleavedStep(opt, schedule, seams)  # built on the DeepSpeed object, before any method is replaced
         opt.__class__ = cls
         return opt
@@ -140,7 +158,9 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     @property
     def dostune_overlap_stats(self) -> dict:
         """overlap_backward counters since start: steps, CPU-lane subgroups updated speculatively during backward,
-        how many of those were recomputed (clipping triggered), and how many CPU-lane updates were committed."""
+        how many of those were recomputed (clipping triggered), how many CPU-lane updates were committed from
+        shadow buffers, and how many were made in place in the step (``in_step``: the subgroups beyond
+        speculative_subgroups)."""
         return self._dos.overlap_stats
 
     @property
@@ -170,11 +190,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def dostune_swing(self) -> Optional[int]:
         """The swing the next step runs (see dostune_swing_stats); None when the schedule can move no subgroup."""
         return self._dos.split.swing if len(self._dos.plan.swing_range) > 1 else None
-
-    def dostune_sync_host(self) -> None:
-        """Bring the host copies of the resident subgroups' fp32 params and Adam states up to date (DeepSpeed's
-        checkpoints and fp32 accessors read those). Blocks until the copies are done."""
-        self._dos.resident.sync_host()
 
     # ------------------------------------------------ DeepSpeed's, replaced
     def step(self, closure=None):
@@ -216,47 +231,6 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
         self._dos.grads.refuse_vectorized_update(param_list)
         return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
-
-    def state_dict(self):
-        self.dostune_sync_host()
-        return super().state_dict()
-
-    def get_full_hp_param(self, param, optim_state_key=None):
-        self.dostune_sync_host()
-        return super().get_full_hp_param(param, optim_state_key)
-
-    def get_local_fp32_param(self, param, optim_state_key=None):
-        self.dostune_sync_host()
-        return super().get_local_fp32_param(param, optim_state_key)
-
-    def load_state_dict(self, *args, **kwargs):
-        self.dostune_sync_host()
-        out = super().load_state_dict(*args, **kwargs)
-        self._dos.host_changed()
-        return out
-
-    def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
-        self.dostune_sync_host()
-        out = super().load_hp_checkpoint_state_from_checkpoint_dir_stage3(checkpoint_dir)
-        self._dos.host_changed()
-        return out
-
-    def set_full_hp_param(self, value, param, optim_state_key=None):
-        self.dostune_sync_host()
-        out = super().set_full_hp_param(value, param, optim_state_key)
-        self._dos.host_changed()
-        return out
-
-    def set_local_hp_param(self, value, param, optim_state_key=None):
-        self.dostune_sync_host()
-        out = super().set_local_hp_param(value, param, optim_state_key)
-        self._dos.host_changed()
-        return out
-
-    def refresh_fp32_params(self):
-        out = super().refresh_fp32_params()
-        self._dos.host_changed()
-        return out
 
     def destroy(self):
         self._dos.close()

@@ -29,7 +29,7 @@ def predict_memory(sizes: Sequence[int], sched: ScheduleConfig, m: ModelInputs,
     (its first gradient). Backward's memory is taken to fall linearly from its peak at the start to its
     minimum at the end (as the measured timeline shows); the buffers add to it from their allocation on."""
     plan = plan or make_plan(len(sizes), sched)
-    gpu = plan.gpu_subgroups
+    gpu = [s.subgroup for s in plan.gpu_slots]  # kept gradients; the resident subgroups' are in ``resident``
     extra_step = gpu_step_bytes(sizes, plan, sched) / GiB
     extra_bwd = 0.0
     if sched.grads_on_gpu and gpu and m.peak_bwd_gib is not None:

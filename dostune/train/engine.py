@@ -149,10 +149,8 @@ def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: b
 
 
 def master_weights(engine) -> torch.Tensor:
-    """This rank's fp32 master weights, all subgroups concatenated (on the CPU)."""
-    sync = getattr(engine.optimizer, "dostune_sync_host", None)
-    if sync is not None:  # resident subgroups' host copies lag until written back
-        sync()
+    """This rank's fp32 master weights, all subgroups concatenated (on the CPU; the resident subgroups' are read from
+    the GPU, their only copy)."""
     return torch.cat([t.detach().float().cpu().view(-1) for t in engine.optimizer.fp32_partitioned_groups_flat])
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dsconfig import activation_checkpointing, with_activation_checkpointing
+from ..dsconfig import activation_checkpointing, plain_deepspeed_config, with_activation_checkpointing
 from ..errors import ConfigError, DostuneError
 from ..models.registry import ModelSpec, resolve_model
 from ..optim.schedule import ScheduleConfig
@@ -179,7 +179,7 @@ def train(opts: TrainOptions, on_step: Optional[Callable[[StepRecord], None]] = 
     if opts.deterministic:
         use_deterministic_kernels()
     if opts.plain_deepspeed:
-        cfg = {k: v for k, v in cfg.items() if k != "dostune"}
+        cfg = plain_deepspeed_config(cfg)
     if opts.activation_checkpointing:
         cfg = with_activation_checkpointing(cfg)
     # From before the build on: a signal while the engine is built stops the run before its first step.

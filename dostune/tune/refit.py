@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..dsconfig import with_schedule
 from ..errors import ConfigError
 from ..models.registry import ModelSpec
 from ..optim.schedule import SECTION, ScheduleConfig, full_swing, gpu_count, make_plan
@@ -171,5 +172,5 @@ def refit(ds_config: dict, spec: ModelSpec, source: str, sub_group_size: Optiona
     if micro_batch is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
         cfg.pop("train_batch_size", None)  # DeepSpeed derives it from the micro-batch
-    cfg[SECTION] = new_sched.model_dump(exclude_none=True)
+    cfg = with_schedule(cfg, new_sched)  # and the offload ratio that keeps its resident subgroups on the GPU
     return Refit(ds_config=cfg, subgroups=n, tuned_subgroups=sched.expected_subgroups, notes=notes + sched_notes)

@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 
 from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
-from ..optim.footprint import STATE_BYTES
+from ..optim.footprint import RESIDENT_BYTES
 from ..optim.schedule import ScheduleConfig, full_swing, gpu_count, gpu_fraction_for, make_plan
 from ..perfmodel.coefficients import Coefficients
 from ..perfmodel.inputs import ModelInputs, NodeInputs
@@ -205,8 +205,9 @@ class Space:
     def resident_room(self, c: Candidate, p: Prediction) -> int:
         """How many of the candidate's GPU-lane subgroups (in lane order) can keep their states on the GPU within the
         peak-memory limit and the step's budget, given its prediction without any: a resident subgroup streams nothing,
-        so the model never finds more of them slower, and the search need not try fewer. 0 without a known limit."""
-        if not c.grads_on_gpu or not c.gpu_count:
+        so the model never finds more of them slower, and the search need not try fewer. 0 without a known limit, and
+        unless the GPU lane takes the first subgroups (the ones DeepSpeed can keep on the GPU)."""
+        if not c.grads_on_gpu or not c.gpu_count or c.gpu_placement != "first":
             return 0
         room = float("inf")
         if self.max_peak_gib is not None and p.memory.peak_gpu_gib is not None:
@@ -217,7 +218,7 @@ class Space:
             return 0
         count, used = 0, 0.0
         for i in make_plan(len(p.sizes), p.schedule).gpu_subgroups:  # the tuned lanes, before any swing
-            used += STATE_BYTES * p.sizes[i] / GiB
+            used += RESIDENT_BYTES * p.sizes[i] / GiB
             if used > room:
                 break
             count += 1
