@@ -16,16 +16,40 @@ from dostune.cli.app import app
 from dostune.errors import ConfigError
 
 
-def test_low_quantile_interpolates_between_order_statistics():
-    assert gate.low_quantile([5, 1, 2, 3, 4], 0.25) == 2.0
-    assert gate.low_quantile([4.0, 1.0], 0.2) == pytest.approx(1.6)
-    assert gate.low_quantile([3.0], 0.2) == 3.0
+def test_the_ratio_is_the_median_of_steps_paired_in_turn_with_a_sign_test_interval():
+    # the pairs' ratios 1.0, 1.1, 0.9, 1.2, 1.05: median 1.05; a burst that slows both steps of a turn alike
+    # (the third turn: both 2x) changes no ratio
+    cur, ref = [1.0, 1.1, 1.8, 1.2, 1.05], [1.0, 1.0, 2.0, 1.0, 1.0]
+    ratio, low, high = gate.paired_ratio(cur, ref, 0.9)
+    assert ratio == pytest.approx(1.05)
+    assert (low, high) == (pytest.approx(0.9), pytest.approx(1.2))  # 5 samples: only the extremes are 90% sure
+    with pytest.raises(ValueError):
+        gate.paired_ratio([1.0], [1.0, 2.0], 0.9)  # every step has its partner
+    # the sign test's ranks: P(at most k of n below the median) <= (1 - confidence) / 2
+    assert gate.median_interval_rank(10, 0.95) == 1  # P(<=1 of 10) = 11/1024 = 0.011; P(<=2) = 0.055
+    assert gate.median_interval_rank(40, 0.99) == 11  # P(<=11 of 40) = 0.0032; P(<=12) = 0.0083
+    assert gate.median_interval_rank(4, 0.99) == 0
+    for n in (8, 40, 160):
+        k = gate.median_interval_rank(n, 0.99)
+        assert sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n <= 0.005
+        assert sum(math.comb(n, i) for i in range(k + 2)) / 2 ** n > 0.005 or k == 0
+    # ratios spread evenly over 0.95-1.05: more of them, a narrower interval around the same median
+    spread = lambda n: [0.95 + 0.1 * i / (n - 1) for i in range(n)]  # noqa: E731
+    wide, narrow = gate.paired_ratio(spread(40), [1.0] * 40, 0.99), gate.paired_ratio(spread(160), [1.0] * 160, 0.99)
+    assert wide[0] == pytest.approx(1.0) and narrow[0] == pytest.approx(1.0)
+    assert wide[2] - wide[1] == pytest.approx(0.1 * 17 / 39) and narrow[2] - narrow[1] == pytest.approx(0.1 * 33 / 159)
 
 
-def _run(ratio, wall=1.0, n=40, engines=(1.0, 1.0)):
-    return gate.GateRun(ratio=ratio, wall_ratio=wall, engine_ratios=list(engines), current_cpu_s=[0.03] * n, baseline_cpu_s=[0.03] * n,
-                        current_wall_s=[0.03] * n, baseline_wall_s=[0.03] * n, lanes=["cpu", "gpu"], speculative=0,
-                        slow_cpu_lane=0.0, seconds=30.0)
+def test_settled_means_the_interval_lies_wholly_on_one_side_of_the_tolerance():
+    assert gate.settled(0.95, 1.069, 0.07) and gate.settled(1.071, 1.2, 0.07)
+    assert not gate.settled(1.0, 1.08, 0.07) and not gate.settled(1.06, 1.09, 0.07)
+
+
+def _run(ratio, wall=1.0, n=40, low=None, high=None, rounds=1):
+    return gate.GateRun(ratio=ratio, low=low or ratio - 0.02, high=high or ratio + 0.02, wall_ratio=wall,
+                        engine_ratios=[ratio] * 4, current_cpu_s=[0.03] * n, baseline_cpu_s=[0.03] * n,
+                        current_wall_s=[0.03] * n, baseline_wall_s=[0.03] * n, rounds=rounds, lanes=["cpu", "gpu"],
+                        speculative=0, slow_cpu_lane=0.0, seconds=30.0)
 
 
 BASE = gate.GateBaseline(baseline_commit="a" * 40, pinned="2026-11-24T00:00:00+00:00")
@@ -40,8 +64,11 @@ def test_verdict_is_the_ratio_against_the_tolerance_alone():
     root = ET.fromstring(junit_xml(bad))
     assert root.get("failures") == "1" and "worse by 5.1%" in root.find("testcase/failure").get("message")
     assert compare_gate(BASE, _run(0.8), 0.05).exit_code == 0  # faster is never a regression
-    # the noise shown: half the spread of the engine pairs' own ratios, relative (not part of the verdict)
-    assert compare_gate(BASE, _run(1.0, engines=(0.96, 1.04)), 0.05).findings[0].noise == pytest.approx(0.04)
+    # the noise shown: half the width of the ratio's interval, relative (not part of the verdict)
+    assert compare_gate(BASE, _run(1.0, low=0.96, high=1.04), 0.05).findings[0].noise == pytest.approx(0.04)
+    # a run that reached max_pairs without settling is judged on its median, and says so
+    unsettled = compare_gate(BASE, _run(1.06, n=160, low=1.02, high=1.09, rounds=4), 0.07)
+    assert unsettled.exit_code == 0 and "not clear of the tolerance after 160 turns" in unsettled.findings[0].note
 
 
 def _write_base(tmp_path, **over):
@@ -51,7 +78,7 @@ def _write_base(tmp_path, **over):
 
 
 def test_cli_runs_the_gate_for_a_gate_baseline(tmp_path, monkeypatch):
-    monkeypatch.setattr(gate, "run_gate", lambda base, progress=None: _run(1.2, wall=1.3))
+    monkeypatch.setattr(gate, "run_gate", lambda base, tolerance, progress=None: _run(1.2, wall=1.3))
     base = _write_base(tmp_path)
     junit = tmp_path / "check.xml"
     r = CliRunner().invoke(app, ["check", "--baseline", str(base), "--max-regression", "8%", "--junit", str(junit),
@@ -61,9 +88,10 @@ def test_cli_runs_the_gate_for_a_gate_baseline(tmp_path, monkeypatch):
     out = json.loads(r.stdout)
     assert out["findings"][0]["current"] == 1.2
     assert out["gate"]["baseline_commit"] == "a" * 40 and out["gate"]["wall_ratio"] == 1.3
+    assert out["gate"]["pairs"] == 40 and out["gate"]["rounds"] == 1 and out["gate"]["noise"] > 0
     assert "current_cpu_s" not in out["gate"]  # the summary, not every sample
     assert ET.parse(junit).getroot().get("failures") == "1"
-    monkeypatch.setattr(gate, "run_gate", lambda base, progress=None: _run(1.02))
+    monkeypatch.setattr(gate, "run_gate", lambda base, tolerance, progress=None: _run(1.02))
     assert CliRunner().invoke(app, ["check", "--baseline", str(base), "--max-regression", "8%"]).exit_code == 0
 
 
@@ -137,38 +165,85 @@ def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
     assert slower.__wrapped__ is work and slower(1) == 2 and time.perf_counter() - t0 >= 0.04
 
 
-def test_a_regression_from_a_noisy_run_is_measured_again_and_the_second_run_decides(tmp_path, monkeypatch):
-    """The gate's false alarm on a busy machine: +7.8% with engine pairs 10% apart. Only a regression whose own run
-    disagrees by more than the tolerance runs again; a quiet regression and any pass do not."""
+class _Recorder:
+    def __init__(self):
+        self.lines = []
+
+    def start(self, description, total):
+        self.lines.append(description)
+
+    def advance(self, n=1):
+        pass
+
+
+def _turns(settings, tolerance, ratio_of_turn):
+    """take_turns against scripted workers: the baseline's step takes 30 ms, this tree's ratio_of_turn(k) times
+    that in timed turn k; each turn's two steps are also slowed alike by a burst every 7 turns."""
+    asked = []
+
+    def ask(name, timed):
+        asked.append((name, timed))
+        k = sum(1 for n, t in asked if t and n == name) - 1  # this side's timed step, counted from 0
+        burst = 3.0 if k % 7 == 0 else 1.0
+        cpu = 0.03 * burst * (ratio_of_turn(k) if name == "current" and timed else 1.0)
+        return {"cpu": cpu, "wall": cpu}
+
+    progress = _Recorder()
+    times, rounds = gate.take_turns(settings, tolerance, ask, progress)
+    return times, rounds, asked, progress.lines
+
+
+def test_turns_alternate_and_a_quiet_run_stops_after_one_round():
+    s = gate.GateSettings(pairs=8, max_pairs=32, warmup=2)
+    times, rounds, asked, lines = _turns(s, 0.07, lambda k: 1.0 + 0.01 * (k % 3 - 1))
+    assert rounds == 1 and len(times["current"]) == len(times["baseline"]) == 8 and len(lines) == 1
+    # A B, B A, ...: the warm-up untimed, then 8 timed turns; neither side always runs first
+    assert asked[:4] == [("current", False), ("baseline", False), ("baseline", False), ("current", False)]
+    assert [n for n, _ in asked[4:8]] == ["current", "baseline", "baseline", "current"] and len(asked) == 20
+    # the bursts slowed both steps of a turn alike: the paired ratio does not see them
+    ratio = gate.paired_ratio(*[[x["cpu"] for x in times[k]] for k in ("current", "baseline")], 0.99)[0]
+    assert ratio == pytest.approx(1.0)
+    _, rounds, _, _ = _turns(s, 0.07, lambda k: 1.2)  # a clear slowdown settles at once too
+    assert rounds == 1
+
+
+def test_a_run_whose_interval_straddles_the_tolerance_times_more_rounds_up_to_max_pairs():
+    """The false alarm on a busy machine: a first round whose pairs disagree widely. The run does not guess: it
+    times more rounds with the engines it has, until its interval clears the tolerance or max_pairs."""
+    s = gate.GateSettings(pairs=40, max_pairs=160, warmup=4)
+    # unchanged, but the first 40 turns disturbed: ratios from 0.80 to 1.30
+    first_disturbed = lambda k: (0.80 + 0.5 * ((k * 7) % 40) / 39) if k < 40 else 1.0 + 0.01 * (k % 3 - 1)  # noqa
+    times, rounds, _, lines = _turns(s, 0.07, first_disturbed)
+    cur, ref = ([x["cpu"] for x in times[k]] for k in ("current", "baseline"))
+    assert not gate.settled(*gate.paired_ratio(cur[:40], ref[:40], 0.99)[1:], 0.07)
+    assert rounds == 2 and len(cur) == 80 and gate.paired_ratio(cur, ref, 0.99)[2] <= 1.07
+    assert len(lines) == 2 and "40 more timed steps of each" in lines[1] and "7% tolerance" in lines[1]
+    # disturbed throughout: max_pairs, then judged on what it has
+    times, rounds, _, lines = _turns(s, 0.07, lambda k: 0.80 + 0.5 * ((k * 7) % 40) / 39)
+    assert rounds == 4 and len(times["current"]) == 160 and len(lines) == 4
+    # a cap that is not a whole number of rounds: the last round is shorter
+    times, rounds, _, _ = _turns(s.model_copy(update={"max_pairs": 100}), 0.07,
+                                 lambda k: 0.80 + 0.5 * ((k * 7) % 40) / 39)
+    assert rounds == 3 and len(times["current"]) == 100
+
+
+def test_settings_refuse_a_cap_below_one_round_and_workers_get_only_what_they_build_from():
+    with pytest.raises(ValueError, match="max_pairs"):
+        gate.GateSettings(pairs=40, max_pairs=20)
+    # the pinned commit's worker refuses keys it does not know: the parent's timing settings stay with the parent
+    sent = json.loads(gate.GateSettings().model_dump_json(include=gate.WORKER_FIELDS))
+    assert not {"pairs", "max_pairs", "warmup", "confidence"} & set(sent)
+    assert gate.GateSettings.model_validate(sent).engines == 4
+
+
+def test_check_gate_passes_the_tolerance_to_the_run(monkeypatch):
     from dostune.bench.check import check_gate
 
-    def runs_in_turn(*runs):
-        left = list(runs)
-        monkeypatch.setattr(gate, "run_gate", lambda base, progress=None: left.pop(0))
-        return left
-
-    said = []
-    noisy_alarm, quiet_pass = _run(1.078, engines=(0.97, 1.19)), _run(1.01, engines=(1.0, 1.02))
-    assert noisy_alarm.noise > 0.07
-    left = runs_in_turn(noisy_alarm, quiet_pass)
-    rep, runs = check_gate(BASE, 0.07, say=said.append)
-    assert rep.exit_code == 0 and runs == [noisy_alarm, quiet_pass] and not left
-    assert len(said) == 1 and "+7.8%" in said[0] and "measuring again" in said[0]
-    runs_in_turn(noisy_alarm, _run(1.14, engines=(1.10, 1.18)))  # a real slowdown fails the second run too
-    rep, runs = check_gate(BASE, 0.07)
-    assert rep.exit_code == 1 and len(runs) == 2 and rep.findings[0].current == 1.14
-    left = runs_in_turn(_run(1.14, engines=(1.12, 1.16)), quiet_pass)  # quiet: judged at once
-    assert check_gate(BASE, 0.07)[0].exit_code == 1 and left == [quiet_pass]
-    left = runs_in_turn(_run(1.0, engines=(0.85, 1.15)), quiet_pass)  # a noisy pass is not repeated
-    assert check_gate(BASE, 0.07)[0].exit_code == 0 and left == [quiet_pass]
-    # the CLI names both runs in --json when there were two
-    runs_in_turn(noisy_alarm, quiet_pass)
-    r = CliRunner().invoke(app, ["check", "--baseline", str(_write_base(tmp_path)), "--max-regression", "7%",
-                                 "--json"])
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.stdout)["gate"]
-    assert out["ratio"] == 1.01 and [x["ratio"] for x in out["runs"]] == [1.078, 1.01]
-    assert out["runs"][0]["noise"] == pytest.approx(noisy_alarm.noise)
+    seen = []
+    monkeypatch.setattr(gate, "run_gate", lambda base, tolerance, progress=None: seen.append(tolerance) or
+                        _run(1.08, low=1.075, high=1.09))
+    rep, run = check_gate(BASE, 0.07)
+    assert seen == [0.07] and rep.exit_code == 1 and run.ratio == 1.08
 
 
 @pytest.mark.slow
@@ -178,19 +253,19 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     repo, sha = _repo_with_this_dostune(tmp_path / "repo")
     monkeypatch.chdir(repo)  # the commit is found in the current folder's repository
     monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "0.5")
-    settings = gate.GateSettings(model="gpt2-tiny", sub_group_size=20_000, pairs=4, warmup=1, engines=2,
+    settings = gate.GateSettings(model="gpt2-tiny", sub_group_size=20_000, pairs=4, max_pairs=8, warmup=1, engines=2,
                                  schedule={**gate.GATE_SCHEDULE, "gpu_fraction": 0.4})
-    run = gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=settings))
+    run = gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=settings), 0.07)
     assert run.lanes.count("gpu") == 2 and "cpu" in run.lanes
     assert run.speculative == 0 and run.slow_cpu_lane == 0.5
-    assert len(run.current_cpu_s) == len(run.baseline_wall_s) == 4 and len(run.engine_ratios) == 2
-    assert math.isfinite(run.ratio) and run.ratio > 0
-    # the verdict's ratio pairs engine k with engine k: the geometric mean of the pairs' own ratios
-    assert run.ratio == pytest.approx(math.sqrt(run.engine_ratios[0] * run.engine_ratios[1]))
+    assert len(run.current_cpu_s) == len(run.baseline_wall_s) == 4 * run.rounds and run.rounds in (1, 2)
+    assert len(run.engine_ratios) == 2 and math.isfinite(run.ratio) and run.ratio > 0
+    # the verdict's ratio: the median over the turns of this tree's step over the pinned one beside it
+    assert (run.ratio, run.low, run.high) == gate.paired_ratio(run.current_cpu_s, run.baseline_cpu_s, 0.99)
     # a worker that stops says why in one line (here: both refuse an unknown model)
     bad = settings.model_copy(update={"model": "no-such-model"})
     with pytest.raises(gate.GateError, match=r"worker stopped \(exit 1\).*unknown model 'no-such-model'"):
-        gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=bad))
+        gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=bad), 0.07)
 
 
 def test_a_worker_killed_before_a_request_is_named_with_its_signal(tmp_path):

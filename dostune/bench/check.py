@@ -7,9 +7,8 @@ Three kinds of comparison:
   machine or a noisy one (``ratio_only``).
 
 * the CPU gate (bench/gate.py): this tree's optimizer step over a pinned commit's, timed in one run, taking
-  turns; its statistic is built to be stable on a busy machine, so the tolerance alone decides
-  (``compare_gate``); a regression found by a run whose own repeats disagree by more than the tolerance is
-  measured once more (``check_gate``).
+  turns; each step against the one beside it, the median of those ratios, and the run measures until the median's
+  confidence interval lies clear of the tolerance (or a cap), so the tolerance alone decides (``compare_gate``).
 
 Noise rule (bench results): a slowdown is a regression only when it exceeds both the tolerance and the measured spread
 (half the interquartile range of each run's samples, relative to its median, added together; the half
@@ -23,6 +22,7 @@ from xml.etree import ElementTree as ET
 
 from ..errors import DostuneError
 from ..stats import Stat
+from . import gate
 from .gate import GateBaseline, GateRun
 from .record import BenchResult
 
@@ -87,9 +87,13 @@ def _speedup(res: BenchResult, phase: str) -> Optional[tuple[float, float, int]]
     return zs.median / ds.median, zs.rel_iqr + ds.rel_iqr, min(zs.n, ds.n)
 
 
-def compare(base: BenchResult, cur: BenchResult, tolerance: float, ratio_only: bool = False) -> CheckReport:
+def check_tolerance(tolerance: float) -> None:
     if not 0 <= tolerance < 10:
         raise UnusableInput(f"--max-regression must be a fraction like 0.05 (5%), got {tolerance}")
+
+
+def compare(base: BenchResult, cur: BenchResult, tolerance: float, ratio_only: bool = False) -> CheckReport:
+    check_tolerance(tolerance)
     why = identity_mismatch(base, cur, ratio_only)
     if why:
         raise UnusableInput(f"the results are not comparable: {why}")
@@ -129,13 +133,16 @@ def compare(base: BenchResult, cur: BenchResult, tolerance: float, ratio_only: b
 def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckReport:
     """The CPU gate: a regression when this tree's step took more than ``tolerance`` longer than the pinned
     commit's, both measured in the same run, taking turns (the ratio on an unchanged tree is 1)."""
-    if not 0 <= tolerance < 10:
-        raise UnusableInput(f"--max-regression must be a fraction like 0.05 (5%), got {tolerance}")
+    check_tolerance(tolerance)
     s = base.settings
-    note = (f"this tree's optimizer step over commit {base.baseline_commit[:12]}'s: CPU time, {s.quantile:.0%} "
-            f"quantile of each of {len(run.engine_ratios)} engine pairs' steps ({s.pairs} steps in all per worker, "
-            f"taking turns), geometric mean over the pairs (wall clock: {run.wall_ratio:.3f}; noise: half the "
-            f"spread of the pairs' ratios; a regression with noise above the tolerance is measured again)")
+    pairs = len(run.current_cpu_s)
+    if gate.settled(run.low, run.high, tolerance):
+        how = f"clear of the {tolerance:.0%} tolerance"
+    else:
+        how = f"not clear of the tolerance after {pairs} turns, the most a run takes: judged on the median"
+    note = (f"this tree's optimizer step over commit {base.baseline_commit[:12]}'s, CPU time: each step against the "
+            f"pinned commit's step beside it, median over {pairs} turns ({run.rounds} round(s) of {s.pairs}); "
+            f"{s.confidence:.0%} interval {run.low:.3f} to {run.high:.3f}, {how} (wall clock: {run.wall_ratio:.3f})")
     rep = CheckReport(tolerance=tolerance, ratio_only=True)
     rep.findings.append(Finding(name="gate/step", baseline=1.0, current=run.ratio, ratio=run.ratio, noise=run.noise,
                                 repeats=(len(run.baseline_cpu_s), len(run.current_cpu_s)),
@@ -143,24 +150,12 @@ def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckRep
     return rep
 
 
-def check_gate(base: GateBaseline, tolerance: float, progress=None, say=None) -> tuple[CheckReport, list[GateRun]]:
-    """Run the CPU gate and judge it: (the report, every run in order).
-
-    A run that finds a regression while its own engine pairs disagree by more than the tolerance (``noise``) cannot
-    tell this tree's step from what the machine's other jobs did to it: the gate runs once more and judges that
-    second run alone. So a false alarm takes two disturbed runs in a row, a real slowdown fails both, and a quiet
-    regression fails at once. A run that passes is not repeated. ``say`` gets one line when the gate runs again."""
-    from . import gate
-
-    runs = [gate.run_gate(base, progress)]
-    rep = compare_gate(base, runs[0], tolerance)
-    if rep.regressions and runs[0].noise > tolerance:
-        if say is not None:
-            say(f"gate: {runs[0].ratio - 1:+.1%} with noise {runs[0].noise:.1%}, above the {tolerance:.0%} tolerance: "
-                "this run cannot tell; measuring again and judging that run")
-        runs.append(gate.run_gate(base, progress))
-        rep = compare_gate(base, runs[-1], tolerance)
-    return rep, runs
+def check_gate(base: GateBaseline, tolerance: float, progress=None) -> tuple[CheckReport, GateRun]:
+    """Run the CPU gate and judge it: (the report, the run). The run measures until its interval is clear of the
+    tolerance (bench/gate.py), so on a busy machine it takes longer rather than guess."""
+    check_tolerance(tolerance)
+    run = gate.run_gate(base, tolerance, progress)
+    return compare_gate(base, run, tolerance), run
 
 
 def junit_xml(rep: CheckReport) -> str:

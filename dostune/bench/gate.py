@@ -26,12 +26,15 @@ a sibling that was preempted. Each step on a CPU device allocates fresh staging 
 follow cost kernel time that depends on the machine's memory pressure (about 20 ms of a 55 ms step, 3x apart
 between processes, on the CI machine), so the workers ask glibc to keep freed memory for reuse.
 
-The statistic: for each engine pair (engine k of this tree and of the pinned commit, built alike from the same seed)
-the low quantile (``quantile``) of this tree's step CPU times over the pinned commit's, and the geometric mean of the
-pairs' ratios. Interference only adds time, so the low quantiles are the least disturbed steps. Engines of one process
-differ in speed by where their buffers landed; one low quantile over all of a worker's steps is decided by its fastest
-engine, so it compared whichever engine was fastest on each side, and read up to 1.064 on an unchanged tree where the
-pairs' mean read at most 1.039 (docs/findings.md, finding 32).
+The statistic: each timed step of this tree against the pinned commit's step right beside it (the same turn, the
+same engine index), the median of those pairs' log ratios, and a distribution-free confidence interval for that
+median (``paired_ratio``). A neighbour's load comes in bursts: beside a busy test suite the two steps of one turn
+(0.2 s apart) are slowed alike (their CPU times correlate, typically 0.6), steps 4 s apart not at all, so the ratio
+of time-adjacent steps cancels a burst that a quantile of each side's steps, taken apart, keeps. The median needs no
+assumption on how the disturbed steps are spread. A run measures in rounds of ``pairs`` turns and stops as soon as
+the interval lies wholly below or wholly above 1 + tolerance (``settled``); a disturbed run, whose interval is wide,
+measures more rounds with the engines it has built, up to ``max_pairs``, and is then judged on the median of all it
+measured.
 """
 from __future__ import annotations
 
@@ -44,18 +47,19 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ..errors import ConfigError, DostuneError, ProfileError
 from ..records import Record
 
 GATE_KIND = "dostune.gate"
-GATE_SCHEMA_VERSION = 1
+GATE_SCHEMA_VERSION = 2  # 2: a run is timed in rounds (max_pairs, confidence)
 # What the workers of the pinned commit and of this tree say to each other; a change moves the pin too.
 PROTOCOL = 1
 # One GPU-lane subgroup of 2.4M elements (the sixth of seven: gpu_fraction 0.17, spread), six on the CPU lane.
@@ -82,12 +86,30 @@ class GateSettings(Record):
     threads: int = Field(1, ge=1)  # torch's intra-op threads in each worker
     schedule: dict = Field(default_factory=lambda: dict(GATE_SCHEDULE))
     # Engines per worker, stepped in turn: two identical engines in one process differ by up to 5% in step time
-    # (where their buffers landed in memory); the gate pools their steps (about 0.55 GiB each)
+    # (where their buffers landed in memory); comparing each with its twin in the other worker over four of them
+    # averages that out (about 0.55 GiB each)
     engines: int = Field(4, ge=1, le=8)
-    pairs: int = Field(40, ge=4)  # timed steps per worker
-    warmup: int = Field(8, ge=1)  # untimed steps per worker, spread over its engines
     seed: int = 0
-    quantile: float = Field(0.2, gt=0, lt=1)
+    # The rest is the parent's alone (how long it times and how it judges): the workers are not sent it, so it can
+    # change under the same pin (the pinned commit's worker refuses keys it does not know).
+    pairs: int = Field(40, ge=4)  # timed turns per round: one step of each worker per turn
+    # the most timed turns a run takes before it is judged on what it has (four rounds); only a run that the
+    # machine's load left unable to tell sooner takes them
+    max_pairs: int = Field(160, ge=4)
+    warmup: int = Field(8, ge=1)  # untimed turns, spread over the engines
+    # of the interval that must lie clear of the tolerance for a run to stop before max_pairs
+    confidence: float = Field(0.99, gt=0.5, lt=1)
+
+    @model_validator(mode="after")
+    def _rounds_fit(self):
+        if self.max_pairs < self.pairs:
+            raise ValueError(f"max_pairs ({self.max_pairs}) is below pairs ({self.pairs}), one round")
+        return self
+
+
+# What a worker builds its engines from: all it is sent.
+WORKER_FIELDS = frozenset({"model", "micro_batch", "seq", "precision", "sub_group_size", "clip", "threads",
+                           "schedule", "engines", "seed"})
 
 
 class GateBaseline(Record):
@@ -103,13 +125,16 @@ class GateBaseline(Record):
 class GateRun(BaseModel):
     """One gate run: this tree's step over the pinned commit's."""
 
-    ratio: float  # the statistic (CPU time): the geometric mean of engine_ratios
+    ratio: float  # the statistic (CPU time): the median over the pairs of this tree's step over the one beside it
+    low: float  # the confidence interval of ratio (settings.confidence)
+    high: float
     wall_ratio: float  # the same on wall-clock time (reported, not judged)
-    engine_ratios: list[float]  # each engine pair's ratio of low quantiles (their spread: what memory placement does)
-    current_cpu_s: list[float]  # each timed step, in the order they ran
+    engine_ratios: list[float]  # each engine pair's own median (their spread: what memory placement does)
+    current_cpu_s: list[float]  # each timed step, in the order they ran; step j of both sides ran in turn j
     baseline_cpu_s: list[float]
     current_wall_s: list[float]
     baseline_wall_s: list[float]
+    rounds: int  # rounds of settings.pairs turns the run took before it settled or reached max_pairs
     lanes: list[str]  # the plan's lane per subgroup
     speculative: int  # CPU-lane updates started during backward (0: the whole lane ran in the step)
     slow_cpu_lane: float  # the test-only slowdown in this tree's worker (DOSTUNE_TEST_SLOW_CPU_LANE)
@@ -117,23 +142,37 @@ class GateRun(BaseModel):
 
     @property
     def noise(self) -> float:
-        """Half the spread of the engine pairs' own ratios, relative to the run's ratio: how far this run's repeats
-        disagree with each other (what where buffers landed and the machine's other jobs did to it)."""
-        if not self.engine_ratios:
-            return 0.0
-        return (max(self.engine_ratios) - min(self.engine_ratios)) / (2 * self.ratio)
+        """Half the width of the ratio's confidence interval, relative to the ratio: how far the run's own pairs
+        leave the ratio uncertain (what the machine's other jobs did to it)."""
+        return (self.high - self.low) / (2 * self.ratio)
 
 
-def low_quantile(samples: list[float], q: float) -> float:
-    """The q-quantile of the samples, linearly interpolated between order statistics."""
-    xs = sorted(samples)
-    k = q * (len(xs) - 1)
-    i = int(k)
-    return xs[i] if i + 1 >= len(xs) else xs[i] + (k - i) * (xs[i + 1] - xs[i])
+def median_interval_rank(n: int, confidence: float) -> int:
+    """The 0-based rank k such that the k-th smallest and the k-th largest of n samples bound their median with at
+    least ``confidence``: the largest k with P(at most k of n samples below the median) <= (1 - confidence) / 2,
+    each sample lying below it with probability one half (the sign test). 0, the extremes, when n is too small for
+    that confidence."""
+    tail = (1 - confidence) / 2
+    k, below = 0, 1 / 2 ** n  # below: P(at most k samples below the median)
+    while 2 * (k + 1) < n - 1:
+        more = below + math.comb(n, k + 1) / 2 ** n
+        if more > tail:
+            break
+        k, below = k + 1, more
+    return k
 
 
-def geometric_mean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+def paired_ratio(current: list[float], baseline: list[float], confidence: float) -> tuple[float, float, float]:
+    """(median, low, high): the median over the pairs of current[j] / baseline[j] and its ``confidence``
+    interval."""
+    logs = sorted(math.log(c / b) for c, b in zip(current, baseline, strict=True))
+    k = median_interval_rank(len(logs), confidence)
+    return math.exp(statistics.median(logs)), math.exp(logs[k]), math.exp(logs[-1 - k])
+
+
+def settled(low: float, high: float, tolerance: float) -> bool:
+    """Whether an interval lies wholly on one side of 1 + tolerance: the run can tell, and stops timing."""
+    return high <= 1 + tolerance or low > 1 + tolerance
 
 
 def keep_freed_memory() -> bool:
@@ -298,8 +337,9 @@ class _Worker:
         self.log = logdir / f"{name}.log"
         self._err = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "dostune.bench.gate", "worker",
-                                      settings.model_dump_json()], cwd=root, env=_worker_env(root, slow), text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, bufsize=1)
+                                      settings.model_dump_json(include=WORKER_FIELDS)], cwd=root,
+                                     env=_worker_env(root, slow), text=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, bufsize=1)
 
     def read(self, timeout_s: float = 300.0) -> dict:
         import select
@@ -338,8 +378,41 @@ class _Worker:
         self._err.close()
 
 
-def run_gate(base: GateBaseline, progress=None) -> GateRun:
-    """Export the pinned commit's dostune, start both workers, time ``pairs`` steps of each, taking turns."""
+def take_turns(s: GateSettings, tolerance: float, ask: Callable[[str, bool], dict],
+               progress) -> tuple[dict[str, list[dict]], int]:
+    """Step the two workers in turn (``ask(name, timed)`` runs one iteration of that worker and returns its
+    answer): the warm-up, then rounds of ``s.pairs`` timed turns until the ratio's interval is clear of
+    1 + ``tolerance`` or ``s.max_pairs`` turns are timed. Returns each side's timed answers and the rounds."""
+    times: dict[str, list[dict]] = {"current": [], "baseline": []}
+
+    def turns(first: int, n: int) -> None:
+        for k in range(first, first + n):
+            # A B, then B A: neither always runs right after the other
+            for name in (("current", "baseline") if k % 2 == 0 else ("baseline", "current")):
+                out = ask(name, k >= s.warmup)
+                if k >= s.warmup:
+                    times[name].append(out)
+            progress.advance()
+
+    progress.start(f"gate: {s.warmup} warm-up and {s.pairs} timed steps of each, taking turns", s.warmup + s.pairs)
+    turns(0, s.warmup + s.pairs)
+    rounds = 1
+    while True:
+        ratio, low, high = paired_ratio([x["cpu"] for x in times["current"]], [x["cpu"] for x in times["baseline"]],
+                                        s.confidence)
+        more = min(s.pairs, s.max_pairs - len(times["current"]))
+        if settled(low, high, tolerance) or more <= 0:
+            return times, rounds
+        progress.start(f"gate: {ratio - 1:+.1%} so far ({s.confidence:.0%} interval {low - 1:+.1%} to "
+                       f"{high - 1:+.1%}), which a busy machine leaves on both sides of the {tolerance:.0%} "
+                       f"tolerance: {more} more timed steps of each", more)
+        turns(s.warmup + len(times["current"]), more)
+        rounds += 1
+
+
+def run_gate(base: GateBaseline, tolerance: float, progress=None) -> GateRun:
+    """Export the pinned commit's dostune, start both workers and time them taking turns, a round of ``pairs``
+    turns at a time, until the ratio's interval is clear of 1 + ``tolerance`` or ``max_pairs`` turns are timed."""
     import tempfile
 
     from ..profile.timing import NullProgress
@@ -362,37 +435,26 @@ def run_gate(base: GateBaseline, progress=None) -> GateRun:
                     raise GateError(f"the {k} worker speaks gate protocol {r.get('protocol')}, this one {PROTOCOL}",
                                     hint="pin a commit whose gate matches (docs/ci-gate.md)")
             progress.advance()
-            progress.start(f"gate: {s.warmup} warm-up and {s.pairs} timed steps of each, taking turns",
-                           s.warmup + s.pairs)
-            times: dict[str, list[dict]] = {"current": [], "baseline": []}
-            for k in range(s.warmup + s.pairs):
-                # A B, then B A: neither always runs right after the other
-                for name in (("current", "baseline") if k % 2 == 0 else ("baseline", "current")):
-                    out = workers[name].ask(f"step {int(k >= s.warmup)}")
-                    if k >= s.warmup:
-                        times[name].append(out)
-                progress.advance()
+
+            times, rounds = take_turns(s, tolerance, lambda name, timed: workers[name].ask(f"step {int(timed)}"),
+                                       progress)
             end = {k: w.ask("end") for k, w in workers.items()}
         finally:
             for w in workers.values():
                 w.close()
     cur = {m: [x[m] for x in times["current"]] for m in ("cpu", "wall")}
     ref = {m: [x[m] for x in times["baseline"]] for m in ("cpu", "wall")}
-    q = s.quantile
-    # timed step j ran on engine (warmup + j) mod engines of its worker
-    by_engine = [[j for j in range(s.pairs) if (s.warmup + j) % s.engines == e] for e in range(s.engines)]
-
-    def pair_ratios(m: str) -> list[float]:
-        return [low_quantile([cur[m][j] for j in js], q) / low_quantile([ref[m][j] for j in js], q)
-                for js in by_engine if js]
-
-    engine_ratios = pair_ratios("cpu")
-    return GateRun(ratio=geometric_mean(engine_ratios), wall_ratio=geometric_mean(pair_ratios("wall")),
-                   engine_ratios=engine_ratios,
+    ratio, low, high = paired_ratio(cur["cpu"], ref["cpu"], s.confidence)
+    # timed step j of both workers ran in turn warmup + j, on engine (warmup + j) mod engines of each
+    by_engine = [[j for j in range(len(cur["cpu"])) if (s.warmup + j) % s.engines == e] for e in range(s.engines)]
+    engine_ratios = [paired_ratio([cur["cpu"][j] for j in js], [ref["cpu"][j] for j in js], s.confidence)[0]
+                     for js in by_engine if js]
+    wall_ratio = paired_ratio(cur["wall"], ref["wall"], s.confidence)[0]
+    return GateRun(ratio=ratio, low=low, high=high, wall_ratio=wall_ratio, engine_ratios=engine_ratios,
                    current_cpu_s=cur["cpu"], baseline_cpu_s=ref["cpu"], current_wall_s=cur["wall"],
-                   baseline_wall_s=ref["wall"], lanes=ready["current"]["lanes"],
-                   speculative=end["current"]["speculative"], slow_cpu_lane=ready["current"]["slow_cpu_lane"],
-                   seconds=time.perf_counter() - t_start)
+                   baseline_wall_s=ref["wall"], rounds=rounds,
+                   lanes=ready["current"]["lanes"], speculative=end["current"]["speculative"],
+                   slow_cpu_lane=ready["current"]["slow_cpu_lane"], seconds=time.perf_counter() - t_start)
 
 
 def load_gate(path) -> GateBaseline:
