@@ -99,6 +99,25 @@ def _pinned_rounded(nbytes: int) -> int:
     return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
+def deepspeed_gpu_subgroups(num_subgroups: int, ratio: float) -> int:
+    """How many subgroups DeepSpeed's Twin-Flow (offload_optimizer.ratio) keeps on the GPU: the first
+    int((1 - ratio) * n), as stage3.py assigns them."""
+    return int((1 - ratio) * num_subgroups)
+
+
+def deepspeed_gpu_state_bytes(sizes: Sequence[int], ratio: float) -> int:
+    """GPU memory the subgroups that Twin-Flow keeps on the GPU hold for the whole run: their fp32 params, fp32
+    gradients and Adam states (0 for ZeRO-Offload, ratio 1.0)."""
+    return (STATE_BYTES + GRAD_BYTES) * sum(sizes[:deepspeed_gpu_subgroups(len(sizes), ratio)])
+
+
+def deepspeed_offload_pinned_bytes(sizes: Sequence[int], grad_buffer: int = HALF_BYTES, ratio: float = 1.0) -> int:
+    """The page-locked part of deepspeed_offload_host_bytes with pin_memory: the fp32 gradients of each offloaded
+    subgroup and the gradient-partition buffer, each a pinned copy rounded up to a power of two."""
+    offloaded = sizes[deepspeed_gpu_subgroups(len(sizes), ratio):]
+    return sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded) + _pinned_rounded(grad_buffer * sum(sizes))
+
+
 def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_buffer: int = HALF_BYTES,
                                  ratio: float = 1.0) -> int:
     """Host memory of DeepSpeed 0.19.8's own ZeRO-Offload on one rank once its first step has created the Adam
@@ -109,12 +128,10 @@ def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_bu
     killed at the first step), 115.0 GiB without (this: 113 + 2). ``ratio`` < 1 is Twin-Flow: DeepSpeed keeps the
     first int((1 - ratio) * n) subgroups on the GPU and offloads the rest; the gradient-partition buffer still spans
     every parameter."""
-    offloaded = sizes[int((1 - ratio) * len(sizes)):]
-    total, off = sum(sizes), sum(offloaded)
+    off = sum(sizes[deepspeed_gpu_subgroups(len(sizes), ratio):])
     if not pin_memory:
-        return (STATE_BYTES + GRAD_BYTES) * off + grad_buffer * total
-    return 4 * off + sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded) + _pinned_rounded(grad_buffer * total) \
-        + 8 * off
+        return (STATE_BYTES + GRAD_BYTES) * off + grad_buffer * sum(sizes)
+    return STATE_BYTES * off + deepspeed_offload_pinned_bytes(sizes, grad_buffer, ratio)
 
 
 # ---------------------------------------------------------------- start-up checks
