@@ -166,6 +166,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         CPU lane, and the number the next step uses."""
         return self._dos.swing_stats
 
+    @property
+    def dostune_registered_bytes(self) -> int:
+        """Host memory the optimizer page-locked in place (DeepSpeed's states and buffers; the lanes' own pinned
+        buffers come from torch's pinned allocator and are counted by its statistics)."""
+        return self._dos.pins.nbytes
+
     def dostune_sync_host(self) -> None:
         """Bring the host copies of the resident subgroups' fp32 params and Adam states up to date (DeepSpeed's
         checkpoints and fp32 accessors read those). Blocks until the copies are done."""
