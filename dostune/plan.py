@@ -286,8 +286,7 @@ def memory_plan(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> t
         activation_checkpointing=opts.activation_checkpointing, world=world.as_config(),
         host_available_gib=host_memory_gib(node_p), host_usable_gib=node.host, gpu_gib=gpu_total,
         gpu_usable_gib=node.gpu, methods=rows + [pick], twin_flow_ratios=twin_range, zero_offload_iter_s=zo_iter_s,
-        estimated=estimated,
-        notes=list(opts.notes), details=list(opts.details))
+        estimated=estimated, notes=list(opts.notes), details=list(opts.details))
     return plan, config
 
 

@@ -28,7 +28,7 @@ def test_a_method_refused_for_host_memory_is_its_row_with_the_reason_beside_the_
     # need its shadow states too (17x GiB): refused before anything is built (test_bench_host_memory.py)
     ran = []
 
-    def fake_run(name, spec, opts, offload, progress):  # a stubbed runner: the measured figures as a method returns them
+    def fake_run(name, spec, opts, offload, progress):  # a stubbed runner: the figures as a measured method has them
         ran.append((name, offload.pin_memory))
         return _ran(name, rss=114.9, pinned=0.0)
 

@@ -82,7 +82,7 @@ def test_the_host_refusal_counts_the_least_host_memory_any_schedule_needs():
 def test_without_overlap_backward_nothing_is_fitted():
     space, _ = _space()
     sched = ScheduleConfig(gpu_fraction=0.25)
-    space.host_budget_gib = 1.0  # far less than any schedule pins: still nothing to fit without the CPU lane in backward
+    space.host_budget_gib = 1.0  # less than any schedule pins: still nothing to fit without the CPU lane in backward
     assert fit_speculation(space, 100_000_000, sched) is sched
 
 
