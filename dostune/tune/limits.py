@@ -40,6 +40,7 @@ GPU_HEADROOM_SHARE = 0.10
 # ScheduleConfig's field of the CPU-lane subgroups that update during backward (None: all of them). The search sets
 # it only where the engine has it; a dostune without it lets every CPU-lane subgroup speculate.
 SPECULATIVE = "speculative_subgroups"
+SPECULATION_SEARCHED = SPECULATIVE in ScheduleConfig.model_fields
 
 
 def gpu_headroom_gib(capacity_gib: float) -> float:
@@ -104,7 +105,7 @@ def fit_speculation(space: "Space", sub_group_size: int, sched: ScheduleConfig) 
     infeasible only if even that does not fit). Speculation hides CPU-lane work under backward, so more is never
     predicted slower, and the most that fit is the search's pick. ``sched`` unchanged without overlap_backward,
     without a host budget, or on a dostune without the field."""
-    if not sched.overlap_backward or space.host_budget_gib is None or SPECULATIVE not in ScheduleConfig.model_fields:
+    if not (SPECULATION_SEARCHED and sched.overlap_backward) or space.host_budget_gib is None:
         return sched
     sizes = space.sizes(sub_group_size)
     if _node_pinned(space, sizes, sched) <= space.host_budget_gib:
