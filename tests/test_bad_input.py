@@ -125,6 +125,16 @@ CASES = [
     ("tune --trials 2 --output-dir {out} --hostfile {bin}", "not a text file (it holds binary data)"),
     ("tune --trials 2 --output-dir {out} --hostfile {dir}", "is not a file"),
     ("tune --trials 2 --output-dir {out} --hostfile {missing}", "does not exist"),
+    # plan
+    ("plan --profile {node} --precision fp8 --config-out {out}", "--precision must be bf16, fp16 or fp32"),
+    ("plan --profile {missing} --config-out {out}", "does not exist"),
+    ("plan --profile {bin} --config-out {out}", "binary"),
+    ("plan --profile {node} --model-profile {node} --config-out {out}", "dostune.model-profile"),
+    ("plan --profile {node} --config-out {dir}", "is a folder, not a file"),
+    ("plan --profile {node} --config-out {file}/ds_config.json", "is a file, not a folder"),
+    ("plan --profile {node} --model gpt5-giant --config-out {out}", "unknown model"),
+    ("plan --profile {node} --host-memory-budget lots --config-out {out}", "'auto' or a number"),
+    ("plan --profile {node} --num-gpus 2 --hostfile {missing} --config-out {out}", "does not exist"),
     # train
     ("train --config {missing} --model gpt2-tiny --metrics {out}", "does not exist"),
     ("train --config {bin} --model gpt2-tiny --metrics {out}", "binary"),

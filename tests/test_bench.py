@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 import dostune.train.engine as engine_mod
 from dostune.bench import run as bench_run
 from dostune.bench.pool import pool_rounds
-from dostune.bench.record import load_bench
+from dostune.bench.record import BENCH_SCHEMA_VERSION, load_bench
 from dostune.bench.report import markdown, plot_timeline
 from dostune.cli.app import app
 from dostune.errors import DostuneError
@@ -60,6 +60,17 @@ def test_methods_ran_with_same_math(tiny_bench):
         assert m.steal is None or 0.0 <= m.steal < 1.0
     # where the step's host time went, for reading a step longer than its lanes
     assert "step host time, median ms: before lanes " in d.description and "after lanes" in d.description
+
+
+def test_each_method_records_its_measured_host_peak(tiny_bench):
+    from dostune.bench.host_peak import peak_rss_bytes
+
+    res, _ = tiny_bench
+    for m in res.methods.values():
+        # the process's peak RSS from the engine's build on, where /proc says; nothing page-locked without CUDA
+        assert (m.host_peak_rss_gib is None) == (peak_rss_bytes() is None)
+        assert m.host_peak_rss_gib is None or 0.1 < m.host_peak_rss_gib < 64
+        assert (m.host_pinned_gib is None) == (not torch.cuda.is_available())
 
 
 def test_engines_are_freed_between_methods(tiny_bench):
@@ -202,7 +213,7 @@ def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_bench(tmp_path / "old.json")
     assert old.rounds == 1 and old.methods["dostune"].iter_s == res.methods["dostune"].iter_s
-    data["schema_version"] = 8  # a newer dostune's
+    data["schema_version"] = BENCH_SCHEMA_VERSION + 1  # a newer dostune's
     (tmp_path / "new.json").write_text(json.dumps(data))
     with pytest.raises(Exception, match="schema_version"):
         load_bench(tmp_path / "new.json")

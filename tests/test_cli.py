@@ -58,7 +58,7 @@ def test_profile_schema():
     assert json.loads(r.stdout)["title"] == "NodeProfile"
 
 
-@pytest.mark.parametrize("cmd", ["profile", "tune", "refit", "train", "bench", "check", "ops", "ops build"])
+@pytest.mark.parametrize("cmd", ["profile", "tune", "plan", "refit", "train", "bench", "check", "ops", "ops build"])
 def test_flags_show_no_value_placeholder(cmd):
     r = runner.invoke(app, [*cmd.split(), "--help"])
     assert r.exit_code == 0 and "<bool>" not in r.stdout
@@ -66,8 +66,8 @@ def test_flags_show_no_value_placeholder(cmd):
     assert "<bool>" not in r.stdout
 
 
-@pytest.mark.parametrize("cmd", [[], ["profile"], ["tune"], ["refit"], ["train"], ["bench"], ["check"], ["ops"],
-                                 ["ops", "build"]])
+@pytest.mark.parametrize("cmd", [[], ["profile"], ["tune"], ["plan"], ["refit"], ["train"], ["bench"], ["check"],
+                                 ["ops"], ["ops", "build"]])
 def test_help_is_not_cut_without_a_terminal(cmd, monkeypatch):
     """Help piped to a file or a log (stdout not a terminal, no COLUMNS) is not cut at 80 columns with '…'."""
     from typer import rich_utils

@@ -1,6 +1,6 @@
 """The performance model's two regimes (perfmodel/lanes.py): no_clip, where overlap_backward's speculation succeeds,
 and clip, where the partial norm stops it at the first subgroup and the CPU lane runs in the step; the lane balance's
-settling in clip; the CPU-lane subgroups left out of speculation (speculative_subgroups)."""
+settling in clip; the CPU-lane subgroups left out of speculation (speculative_subgroups), updated in place by the worker."""
 import pytest
 
 from dostune.optim.balance import LaneBalance
@@ -8,7 +8,7 @@ from dostune.optim.schedule import ScheduleConfig, make_plan
 from dostune.perfmodel.backward import dostune_grad_bytes
 from dostune.perfmodel.coefficients import Coefficients, StepShape
 from dostune.perfmodel.inputs import ModelInputs
-from dostune.perfmodel.lanes import lent_subgroups, speculating_subgroups, speculative_count
+from dostune.perfmodel.lanes import lent_subgroups, speculating_subgroups
 from dostune.perfmodel.model import predict, simulated_lane_times, simulate_step
 from dostune.profile.paths import profiles_dir
 from test_perfmodel import node
@@ -40,33 +40,36 @@ def test_clip_runs_the_whole_cpu_lane_in_the_step_at_the_steps_rates():
     assert simulate_step(sizes, plain, node(), regime="clip").lanes_s == simulate_step(sizes, plain, node()).lanes_s
 
 
-def test_subgroups_left_out_of_speculation_take_deepspeeds_update_in_the_step():
-    sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True)
+def test_subgroups_left_out_of_speculation_are_updated_in_place_by_the_worker_in_the_step():
     sizes = [GIGA, GIGA]
     shape = StepShape(lane_step_slowdown=0.8)
-    one = simulate_step(sizes, sched, node(), backward_s=2.0, ready_fraction=[0.6, 0.1], shape=shape, speculative=1)
+
+    def step(count):
+        sched = ScheduleConfig(gpu_fraction=0.0, cpu_threads=16, overlap_backward=True, speculative_subgroups=count)
+        return simulate_step(sizes, sched, node(), backward_s=2.0, ready_fraction=[0.6, 0.1], shape=shape)
+
+    one = step(1)
     cpu = {x.subgroup: x for x in one.spans if x.lane == "cpu"}
-    # the worker takes the highest index (its gradients are final first) during backward
+    # the worker speculates on the highest index (its gradients are final first) during backward
     assert cpu[1].end < 0
-    # subgroup 0: DeepSpeed's own update from the step's start, at the node's rates (no CPU convert), then its fp32
-    # upload and the conversion on the GPU (the schedule's gpu_convert)
-    assert cpu[0].start == 0.0 and cpu[0].end == pytest.approx(1e9 / 20e9 + 1e9 / 4e9)
-    assert one.lanes_s == pytest.approx(1e9 / 20e9 + 1e9 / 4e9 + 4e9 / 50e9 + 1e9 / 500e9)
-    # None: every subgroup speculates, as before the count existed; 0: none does
-    assert simulate_step(sizes, sched, node(), backward_s=2.0, ready_fraction=[0.6, 0.1], shape=shape,
-                         speculative=None).lanes_s == 0.0
-    none = simulate_step(sizes, sched, node(), backward_s=2.0, ready_fraction=[0.6, 0.1], shape=shape, speculative=0)
-    assert none.lanes_s == pytest.approx(2 * (1e9 / 20e9 + 1e9 / 4e9) + 4e9 / 50e9 + 1e9 / 500e9)
-    plan = make_plan(4, ScheduleConfig(gpu_fraction=0.25, overlap_backward=True))
-    assert speculating_subgroups(plan, 2) == [3, 2] and speculating_subgroups(plan, None) == [3, 2, 1]
-    # a schedule without the count: every CPU-lane subgroup speculates
-    assert speculative_count(ScheduleConfig(overlap_backward=True)) is None
-
-
-def test_the_gradients_of_subgroups_left_out_of_speculation_take_deepspeeds_path():
-    sched = ScheduleConfig(gpu_fraction=0.25, overlap_backward=True)
+    # subgroup 0, without a shadow: the same worker updates it in place from the step's start with the same kernel
+    # (the lane's rate in the step), then its half-precision upload
+    assert cpu[0].start == 0.0 and cpu[0].end == pytest.approx(0.8 * PLAIN)
+    assert one.lanes_s == pytest.approx(0.8 * PLAIN + HALF_UP)
+    # None: every subgroup speculates; 0: none does, both updated in place in the step
+    assert step(None).lanes_s == 0.0
+    assert step(0).lanes_s == pytest.approx(2 * 0.8 * PLAIN + HALF_UP)
+    # the optimizer's own choice of which speculate (footprint.speculative_set): the highest indices
+    sched = ScheduleConfig(gpu_fraction=0.25, overlap_backward=True, speculative_subgroups=2)
     plan = make_plan(4, sched)
-    # subgroup 0 on the GPU keeps its gradients there; the worker's read the half-precision host copy
+    assert speculating_subgroups(plan, sched) == [3, 2]
+    assert speculating_subgroups(plan, sched.model_copy(update={"speculative_subgroups": None})) == [3, 2, 1]
+
+
+def test_every_cpu_lane_subgroups_gradients_are_read_from_the_half_precision_copy_under_overlap():
+    sched = ScheduleConfig(gpu_fraction=0.25, overlap_backward=True, speculative_subgroups=1)
+    plan = make_plan(4, sched)
+    # subgroup 0 on the GPU keeps its gradients there; the worker's, speculative or not, read the half-precision copy
     assert dostune_grad_bytes([10] * 4, plan, sched, 2, False) == [0, 20, 20, 20]
     # a plan that streams none of the schedule's CPU-lane subgroups lends none
     assert lent_subgroups(plan, sched) == frozenset()

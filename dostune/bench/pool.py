@@ -14,7 +14,8 @@ def combine_ranks(results: list[MethodResult]) -> MethodResult:
     if failed is not None:
         return failed[1].model_copy(update={"error": f"on rank {failed[0]}: {failed[1].error}"})
     ranks = [RankFigures(rank=k, iter_s=r.iter_s, fwd_s=r.fwd_s, bwd_s=r.bwd_s, step_s=r.step_s,
-                         peak_gpu_gib=r.peak_gpu_gib) for k, r in enumerate(results)]
+                         peak_gpu_gib=r.peak_gpu_gib, host_peak_rss_gib=r.host_peak_rss_gib)
+             for k, r in enumerate(results)]
     slowest = max(range(len(results)), key=lambda k: results[k].iter_s)
     peaks = [r.peak_gpu_gib for r in results if r.peak_gpu_gib is not None]
     phase_peak = {ph: max(r.phase_peak_gib.get(ph, 0.0) for r in results) for ph in results[slowest].phase_peak_gib}
@@ -23,7 +24,13 @@ def combine_ranks(results: list[MethodResult]) -> MethodResult:
     steal = max((r.steal for r in results if r.steal is not None), default=None)
     return results[slowest].model_copy(update=dict(ranks=ranks, slowest_rank=slowest, phase_peak_gib=phase_peak,
                                                    peak_gpu_gib=max(peaks) if peaks else None, steal=steal,
-                                                   round_steal=[steal] if steal is not None else []))
+                                                   round_steal=[steal] if steal is not None else [],
+                                                   **_highest(results, "host_peak_rss_gib", "host_pinned_gib")))
+
+
+def _highest(results: list[MethodResult], *fields: str) -> dict:
+    """Each field's highest value over ``results`` (None where none has one)."""
+    return {f: max((x for r in results if (x := getattr(r, f)) is not None), default=None) for f in fields}
 
 
 def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
@@ -52,4 +59,5 @@ def pool_rounds(rounds: list[MethodResult]) -> MethodResult:
         round_step_s=[x for r in rounds for x in r.round_step_s], round_steal=steal,
         swing=[x for r in rounds for x in r.swing],
         steal=round(sum(steal) / len(steal), 4) if steal else None,
-        set_aside=SetAside.of([r.set_aside for r in rounds])))
+        set_aside=SetAside.of([r.set_aside for r in rounds]),
+        **_highest(rounds, "host_peak_rss_gib", "host_pinned_gib")))

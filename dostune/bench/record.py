@@ -10,10 +10,10 @@ from ..stats import Stat
 
 # 2: rounds, and each method's per-iteration samples and per-round medians. 3: nodes, and each method's ranks under
 # the launcher. 4: each method's share of CPU time the hypervisor took (steal). 5: the timed iterations set aside for
-# steal. 6: each round's median step. 7: dostune's swing in each timed iteration. Older records still load: the new
-# fields take their defaults.
-BENCH_SCHEMA_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# steal. 6: each round's median step. 7: dostune's swing in each timed iteration. 8: each method's measured host peak
+# (RSS and pinned). Older records still load: the new fields take their defaults.
+BENCH_SCHEMA_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 BENCH_KIND = "dostune.bench"
 
 
@@ -26,6 +26,7 @@ class RankFigures(Record):
     bwd_s: float
     step_s: float
     peak_gpu_gib: Optional[float] = None
+    host_peak_rss_gib: Optional[float] = None  # v8
 
 
 class MethodResult(Record):
@@ -48,6 +49,12 @@ class MethodResult(Record):
     peak_gpu_gib: Optional[float] = None
     phase_peak_gib: dict[str, float] = Field(default_factory=dict)  # peak allocated within fwd, bwd, step
     allocated_before_gib: Optional[float] = None  # GPU memory still held when this method started (leak check)
+    # v8. The method's measured host peak (bench/host_peak.py): its process's peak resident set from the engine's
+    # build to the end of the timed iterations, and the host memory page-locked for it (torch's pinned allocator's
+    # peak, DeepSpeed's pinned buffers among it, and what dostune page-locked in place; None without CUDA). Under
+    # the launcher: the highest of any rank, each rank's RSS in ``ranks``; over rounds: the highest.
+    host_peak_rss_gib: Optional[float] = None
+    host_pinned_gib: Optional[float] = None
     update_gelem_s: Optional[float] = None
     final_loss: Optional[float] = None
     losses: list[float] = Field(default_factory=list)

@@ -9,7 +9,9 @@ from ..records import save_figure
 from .record import BenchResult, RankFigures, Span
 
 COLUMNS = ["method", "iter s", "fwd s", "bwd s", "step s", "speedup", "update G elem/s", "peak GPU GiB",
-           "final loss"]
+           "host peak GiB", "pinned GiB", "final loss"]
+# a refusal's reason is the row's: host-memory refusals say how much was needed and how much there was
+REASON_CHARS = 160
 
 
 def _f(x: Optional[float], fmt: str = "{:.3f}") -> str:
@@ -32,11 +34,13 @@ def rows(res: BenchResult) -> list[list[str]]:
     out = []
     for name, m in res.methods.items():
         if not m.ran:
-            out.append([name, "did not run", "", "", "", "", "", "", (m.error or "").splitlines()[0][:80]])
+            reason = (m.error or "").splitlines()[0] if m.error else ""
+            out.append([name, "did not run"] + [""] * (len(COLUMNS) - 3) + [reason[:REASON_CHARS]])
             continue
         sp = res.speedup(name)
         out.append([name, _f(m.iter_s), _f(m.fwd_s), _f(m.bwd_s), _f(m.step_s), _f(sp, "{:.2f}x"),
-                    _f(m.update_gelem_s, "{:.2f}"), _f(m.peak_gpu_gib, "{:.1f}"), _f(m.final_loss, "{:.4f}")])
+                    _f(m.update_gelem_s, "{:.2f}"), _f(m.peak_gpu_gib, "{:.1f}"), _f(m.host_peak_rss_gib, "{:.1f}"),
+                    _f(m.host_pinned_gib, "{:.1f}"), _f(m.final_loss, "{:.4f}")])
     return out
 
 
@@ -123,7 +127,10 @@ def markdown(res: BenchResult) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {n} | {m.phase_peak_gib.get('fwd', 0):.2f} | {m.phase_peak_gib.get('bwd', 0):.2f} | "
                   f"{m.phase_peak_gib.get('step', 0):.2f} |" for n, m in mem]
-    lines += ["", "Speedup is ZeRO-Offload's iteration time over the method's. Methods:", ""]
+    lines += ["", "Speedup is ZeRO-Offload's iteration time over the method's. Host peak: the method's process's peak "
+              "resident set (VmHWM) from its engine's build on; pinned: the host memory page-locked for it, torch's "
+              "pinned allocator's peak (DeepSpeed's pinned buffers among it) and what dostune page-locked in place "
+              "(- without CUDA). Methods:", ""]
     lines += [f"- `{n}`: {m.description}" for n, m in res.methods.items()]
     failed = [m for m in res.methods.values() if not m.ran]
     if failed:

@@ -39,6 +39,7 @@ from ..train.engine import free_engine_memory
 from ..tune.refit import check_fits
 from ..host_memory import fit_host_memory
 from ..host_steal import QuietRuns
+from .host_peak import gib, peak_rss_bytes, pinned_bytes, reset_host_peaks
 from .pool import combine_ranks, pool_rounds
 from .record import BenchResult, MethodResult
 from .report import signed_swing, steps_by_swing_text
@@ -97,6 +98,8 @@ class BenchOptions:
     variants: list[Variant] = field(default_factory=list)  # further dostune schedules, measured right after dostune
     activation_checkpointing: bool = False  # every method's model recomputes each block's activations in backward
     isolate: bool = True  # each method in its own process (bench/isolate.py); False: in this one (tests)
+    # host memory of this node the methods may take (fit_host_memory); None: what it has available when the bench starts
+    host_available_bytes: Optional[int] = None
 
     def resolved_methods(self) -> list[str]:
         methods = self.methods or (GPU_DEFAULT if cuda_available() else CPU_DEFAULT)
@@ -217,11 +220,13 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
     from ..train.engine import build_engine
 
     progress.start(f"{name}: building the engine", 1)
+    reset_host_peaks()
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=is_dostune(name))
     try:
         progress.advance()
         progress.start(f"{name}: {opts.warmup} warm-up + {opts.iters} timed iterations", opts.warmup + opts.iters)
         m = measure(engine, spec, opts.seq, opts.iters, opts.warmup, opts.seed, progress)
+        host_rss, host_pinned = peak_rss_bytes(), pinned_bytes(engine.optimizer)
         params = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat) \
             if hasattr(engine.optimizer, "fp32_partitioned_groups_flat") else spec.num_params
         timeline, description = [], opts.describe(name)
@@ -253,7 +258,7 @@ def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict
                         losses=m["losses"], ds_config=cfg, timeline=timeline, samples=m["samples"],
                         round_iter_s=[m["iter"].median], round_step_s=[m["step"].median], steal=m["steal"],
                         round_steal=[m["steal"]] if m["steal"] is not None else [], set_aside=m["set_aside"],
-                        swing=m["swing"])
+                        swing=m["swing"], host_peak_rss_gib=gib(host_rss), host_pinned_gib=gib(host_pinned))
 
 
 def gpu_allocated_gib() -> Optional[float]:
@@ -376,7 +381,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                             created=created, command=command)
 
     numels = param_numels(spec)
-    host_available = available_host_bytes()
+    host_available = opts.host_available_bytes if opts.host_available_bytes is not None else available_host_bytes()
     if host_available is not None:  # the ranks of one node share it
         host_available //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     twin_ratio = None

@@ -20,6 +20,7 @@ if "DS_ACCELERATOR" not in os.environ and not cuda_available():
 from . import bench as _bench
 from . import check as _check
 from . import ops as _ops
+from . import plan as _plan
 from . import profile as _profile
 from . import refit as _refit
 from . import train as _train
@@ -135,6 +136,7 @@ def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_ve
 
 app.command("profile", cls=_Command)(_profile.profile)
 app.command("tune", cls=_Command)(_tune.tune)
+app.command("plan", cls=_Command)(_plan.plan)
 app.command("refit", cls=_Command)(_refit.refit)
 app.command("train", cls=_Command)(_train.train)
 app.command("bench", cls=_Command)(_bench.bench)

@@ -119,7 +119,10 @@ def bench(
 
     Same model, batch and seed for DeepSpeed ZeRO-Offload (ratio 1.0), Twin-Flow (ratio 0.5 and the ratio
     that fits dostune's memory), SuperOffload, no offload (the ceiling) and dostune. Reports forward,
-    backward, step and iteration time (medians), update rate, peak GPU memory and the final loss.
+    backward, step and iteration time (medians), update rate, peak GPU memory, each method's measured host peak
+    (its process's peak RSS, and the host memory page-locked for it) and the final loss. A method whose host memory
+    would not fit this host is not started: its row says what it needs and what there is (`dostune plan` shows
+    that for every method beforehand).
 
     Example: dostune bench --model gpt2-1.3b --micro-batch 8 --seq 1024 --config ds_config.json
 

@@ -14,6 +14,7 @@ from ..tune.record import TuneResult
 from ..errors import DostuneError, NotAvailable
 from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
+from ..tune.limits import GPU_HEADROOM_SHARE
 from ..tune.regime import NAMES
 from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune, trial_record
 from ..tune.search import output_dir as tune_output_dir
@@ -166,10 +167,15 @@ def tune(
     sampler: str = typer.Option("tpe", help="Optuna sampler: " + ", ".join(SAMPLERS) + "."),
     seed: int = typer.Option(0, help="Sampler seed."),
     gpu_memory_budget: str = typer.Option("auto", help="GiB the schedule may stage on the GPU during the step; "
-                                          "'auto' = the free memory the model profile measured in the step."),
-    max_peak_increase: str = typer.Option("10%", help="Predicted peak GPU memory may exceed ZeRO-Offload's "
-                                          "measured peak by at most this much: a percentage (10%) or a fraction "
-                                          "(0.1)."),
+                                          "'auto' = the free memory the model profile measured in the step, less "
+                                          f"a headroom of {GPU_HEADROOM_SHARE:.0%} of the GPU's memory."),
+    max_peak_increase: Optional[str] = typer.Option(None, help="For an equal-memory comparison: predicted peak GPU "
+                                                    "memory may exceed ZeRO-Offload's measured peak by at most this "
+                                                    "much, a percentage (10%) or a fraction (0.1). Default: the "
+                                                    "schedule may fill the GPU, its predicted peak up to the GPU's "
+                                                    f"memory less a headroom of {GPU_HEADROOM_SHARE:.0%} (for "
+                                                    "the CUDA context and the allocator's own); tune.json's details "
+                                                    "say which limits the search ran under."),
     micro_batch: Optional[int] = typer.Option(None, min=1, help="Micro-batch (default: the model profile's)."),
     precision: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: the model profile's)."),
     lr: float = typer.Option(1e-4, help="Learning rate written into the emitted config."),
@@ -231,7 +237,9 @@ def tune(
                                             "world it describes (its hosts, N GPUs each); every host must resolve."),
     host_memory_budget: str = typer.Option("auto", help="Pinned host memory that the ranks of one node may hold "
                                            "together, GiB; 'auto' = 95% of what the node profile found "
-                                           "available, less 2 GiB per rank for the processes themselves."),
+                                           "available, less 2 GiB per rank for the processes themselves. The search "
+                                           "keeps within it how many CPU-lane subgroups update during backward "
+                                           "(their shadow states cost host memory)."),
     activation_checkpointing: bool = flag(False, "--activation-checkpointing", help="The emitted config "
                                                   "checkpoints every transformer block (DeepSpeed's "
                                                   "activation_checkpointing section); profile the model with it too."),
@@ -244,9 +252,11 @@ def tune(
 
     Fits the analytic model to a node profile and a model profile, searches sub_group_size, the share of
     subgroups updated on the GPU, staging buffers, CPU threads, how CPU-updated subgroups reach the GPU and
-    whether gradients stay on the GPU, under the GPU memory budget. Writes ds_config.json (ZeRO-3, optimizer
-    offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize accepts and
-    `dostune train` / `dostune.initialize` run with.
+    whether gradients stay on the GPU. By default the schedule may fill the GPU (less a headroom; --max-peak-increase
+    holds it to ZeRO-Offload's peak instead, for an equal-memory comparison) and pins no more host memory than the
+    node has to spare (`dostune plan` shows beforehand what each offload method needs there). Writes ds_config.json
+    (ZeRO-3, optimizer offloaded to pinned CPU memory, plus a 'dostune' section) that plain deepspeed.initialize
+    accepts and `dostune train` / `dostune.initialize` run with.
     With --for trainer or --for accelerate the same config carries "auto" where the Hugging Face Trainer or
     Accelerate fill values in (docs/hf.md).
 
@@ -259,7 +269,8 @@ def tune(
     """
     opts = TuneOptions(model=model, profile=profile, model_profile=model_profile, trials=trials, sampler=sampler,
                        seed=seed, gpu_memory_budget=gpu_memory_budget,
-                       max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase"),
+                       max_peak_increase=parse_fraction(max_peak_increase, "--max-peak-increase")
+                       if max_peak_increase is not None else None,
                        micro_batch=micro_batch, precision=precision, lr=lr, clip=clip, regime=regime,
                        output_dir=output_dir,
                        storage=storage, study_name=study_name, target=target,

@@ -144,6 +144,19 @@ def _pinned_rounded(nbytes: int) -> int:
     return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
+def deepspeed_gpu_state_bytes(sizes: Sequence[int], ratio: float) -> int:
+    """GPU memory the subgroups that Twin-Flow keeps on the GPU hold for the whole run: their fp32 params, fp32
+    gradients and Adam states (0 for ZeRO-Offload, ratio 1.0)."""
+    return (STATE_BYTES + GRAD_BYTES) * sum(sizes[:twin_flow_gpu_subgroups(ratio, len(sizes))])
+
+
+def deepspeed_offload_pinned_bytes(sizes: Sequence[int], grad_buffer: int = HALF_BYTES, ratio: float = 1.0) -> int:
+    """The page-locked part of deepspeed_offload_host_bytes with pin_memory: the fp32 gradients of each offloaded
+    subgroup and the gradient-partition buffer, each a pinned copy rounded up to a power of two."""
+    offloaded = sizes[twin_flow_gpu_subgroups(ratio, len(sizes)):]
+    return sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded) + _pinned_rounded(grad_buffer * sum(sizes))
+
+
 def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_buffer: int = HALF_BYTES,
                                  ratio: float = 1.0) -> int:
     """Host memory of DeepSpeed 0.19.8's own ZeRO-Offload on one rank once its first step has created the Adam
@@ -157,10 +170,7 @@ def deepspeed_offload_host_bytes(sizes: Sequence[int], pin_memory: bool, grad_bu
     on_gpu = twin_flow_gpu_subgroups(ratio, len(sizes))
     if not pin_memory:
         return offloaded_host_bytes(sizes, on_gpu, grad_buffer)
-    offloaded = sizes[on_gpu:]
-    off = sum(offloaded)
-    grads = sum(_pinned_rounded(GRAD_BYTES * n) for n in offloaded)
-    return 4 * off + grads + _pinned_rounded(grad_buffer * sum(sizes)) + 8 * off
+    return STATE_BYTES * sum(sizes[on_gpu:]) + deepspeed_offload_pinned_bytes(sizes, grad_buffer, ratio)
 
 
 # ---------------------------------------------------------------- start-up checks

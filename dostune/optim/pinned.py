@@ -56,6 +56,11 @@ class PinRegistry:
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes page-locked in place now (what the allocator pinned itself is not counted here)."""
+        return sum(t.untyped_storage().nbytes() for _, t in self._held.values())
+
 
 class NoPins:
     """PinRegistry's calls on a CPU device, where nothing is page-locked."""
@@ -67,4 +72,8 @@ class NoPins:
         pass
 
     def __len__(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
         return 0

@@ -191,6 +191,12 @@ class InterleavedZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """The swing the next step runs (see dostune_swing_stats); None when the schedule can move no subgroup."""
         return self._dos.split.swing if len(self._dos.plan.swing_range) > 1 else None
 
+    @property
+    def dostune_registered_bytes(self) -> int:
+        """Host memory the optimizer page-locked in place (DeepSpeed's states and buffers; the lanes' own pinned
+        buffers come from torch's pinned allocator and are counted by its statistics)."""
+        return self._dos.pins.nbytes
+
     # ------------------------------------------------ DeepSpeed's, replaced
     def step(self, closure=None):
         self._dos.step()

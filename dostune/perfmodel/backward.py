@@ -14,7 +14,7 @@ from typing import Sequence
 from ..optim.footprint import GRAD_BYTES
 from ..optim.schedule import Plan, ScheduleConfig
 from .inputs import NodeInputs
-from .lanes import lent_subgroups, speculating_subgroups, speculative_count
+from .lanes import lent_subgroups
 
 
 def zero_offload_grad_traffic(elements: int, grad_bytes: int) -> tuple[int, int]:
@@ -28,11 +28,11 @@ def dostune_grad_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, 
                        fp16: bool) -> list[int]:
     """Device-to-host bytes of dostune's gradient path in one backward (optim/grads.py), per subgroup: nothing copied
     back (the GPU partition is handed on); a GPU-lane subgroup with grads_on_gpu keeps its gradients on the device (in
-    fp16 the overflow check still reads a host copy); a CPU-lane subgroup that overlap_backward's worker takes is read
-    from the host's half-precision copy (``grad_bytes``); every other subgroup, a CPU-lane one the lane balance lent
+    fp16 the overflow check still reads a host copy); a CPU-lane subgroup under overlap_backward (its worker updates
+    each, speculatively or in place) is read from the host's half-precision copy (``grad_bytes``); every other subgroup, a CPU-lane one the lane balance lent
     to the GPU lane included, takes DeepSpeed's host copy and fp32 copy."""
     kept = set(plan.gpu_subgroups) - lent_subgroups(plan, sched)
-    worker = set(speculating_subgroups(plan, speculative_count(sched))) if sched.overlap_backward else set()
+    worker = set(plan.cpu_order) if sched.overlap_backward else set()  # it reads every one of them from there
     out = []
     for i, s in enumerate(sizes):
         if i in kept and sched.grads_on_gpu:

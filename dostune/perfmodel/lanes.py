@@ -8,26 +8,21 @@ the step). A schedule without overlap_backward runs the same in both.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
+from ..optim.footprint import speculative_set
 from ..optim.schedule import Plan, ScheduleConfig, make_plan
 
 Regime = Literal["no_clip", "clip"]
 REGIMES: tuple[Regime, ...] = ("no_clip", "clip")
 
 
-def speculative_count(sched: ScheduleConfig) -> Optional[int]:
-    """How many CPU-lane subgroups overlap_backward updates speculatively during backward (None: all of them), the
-    schedule's ``speculative_subgroups``. The one place the model reads it: read by name, so that it takes effect
-    wherever the schedule has the field, and a schedule without it updates them all, as before it existed."""
-    return getattr(sched, "speculative_subgroups", None)
-
-
-def speculating_subgroups(plan: Plan, count: Optional[int]) -> list[int]:
-    """The CPU-lane subgroups that overlap_backward's worker takes (``count`` of them, None: all): those whose
-    gradients are final first, the highest indices. The others are updated in the step by DeepSpeed's own update."""
-    order = sorted(plan.cpu_order, reverse=True)
-    return order if count is None else order[:max(0, count)]
+def speculating_subgroups(plan: Plan, sched: ScheduleConfig) -> list[int]:
+    """The CPU-lane subgroups of ``plan`` that overlap_backward's worker updates speculatively during backward: those
+    with shadow buffers (footprint.speculative_set, the optimizer's own choice), highest index first. The worker
+    updates the plan's other CPU-lane subgroups in place in the step."""
+    shadowed = speculative_set(plan, sched)
+    return sorted((i for i in plan.cpu_order if i in shadowed), reverse=True)
 
 
 def lent_subgroups(plan: Plan, sched: ScheduleConfig) -> frozenset[int]:

@@ -19,7 +19,7 @@ from ..optim.schedule import GPU, Plan, ScheduleConfig, assign_lanes, gpu_fracti
 from .backward import BackwardPrediction, dostune_backward, dostune_grad_bytes
 from .coefficients import Coefficients, StepShape
 from .inputs import ModelInputs, NodeInputs
-from .lanes import Regime, lent_subgroups, speculating_subgroups, speculative_count
+from .lanes import Regime, lent_subgroups, speculating_subgroups
 from .memory import MemoryPrediction, predict_memory
 
 # How often backward and the CPU lane under it are worked out against each other (backward.py): the lane's time in
@@ -127,15 +127,15 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
                   iterations: int = 4, backward_s: Optional[float] = None,
                   ready_fraction: Optional[Sequence[float]] = None, plan: Optional[Plan] = None,
                   shape: StepShape = StepShape(), grad_bytes: Optional[Sequence[int]] = None,
-                  regime: Regime = "no_clip", speculative: Optional[int] = None) -> StepPrediction:
+                  regime: Regime = "no_clip") -> StepPrediction:
     """The step of ``sched`` over subgroups of ``sizes``, run as the optimizer runs ``plan`` (its lanes, order and
     staging chain; ``make_plan``'s by default) in ``regime`` (lanes.py).
 
     With ``overlap_backward`` and both the backward time ``backward_s`` and ``ready_fraction`` (how far into
     backward each subgroup's gradients are all final, 0..1) known, the CPU lane is dostune's worker: it produces half
-    precision itself and uploads 2 bytes per element. It takes the ``speculative`` CPU-lane subgroups whose gradients
-    are final first (None: all; lanes.speculating_subgroups); DeepSpeed's own update takes the others in the step,
-    after them, at the node's rates. In ``no_clip`` the worker starts each of its subgroups at the moment its gradients
+    precision itself and uploads 2 bytes per element. It speculates on the CPU-lane subgroups whose gradients
+    are final first (those with shadow buffers: lanes.speculating_subgroups), and updates the others in place in the
+    step, after them, with the same kernel. In ``no_clip`` the worker starts each of its subgroups at the moment its gradients
     are final (times before 0 are during backward, where it runs with its backward thread count,
     ``lane_backward_slowdown`` times slower than at the node's rates); only what is left at 0 adds to the step.
     Backward's gradient copies to the host (``grad_bytes`` per subgroup, backward.py) slow the lane there as the
@@ -202,9 +202,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
     gpu_h2d_done = h2d_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
-    # The worker (overlap_backward) takes its subgroups as backward finalises them, the last layers first; DeepSpeed's
-    # own update takes the rest in index order.
-    takes = set(speculating_subgroups(plan, speculative)) if overlap else set()
+    # The worker (overlap_backward) updates every CPU-lane subgroup with dostune's kernel: those with shadow buffers as
+    # backward finalises them, the last layers first, the rest in place in the step, after them, in index order.
+    takes = set(speculating_subgroups(plan, sched)) if overlap else set()
     worker = sorted(takes, key=lambda j: (ready_fraction[j], -j))
     in_place = [j for j in cpu if j not in takes]
     # overlap_backward's lane (dostune's own kernel) works lane_step_slowdown times the node's CPU-lane seconds at the
@@ -242,9 +242,9 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         form_ups: dict[bool, list[SimSpan]] = {True: [], False: []}
         free, free_bwd = gpu_h2d_done, -bwd
         for j in worker + in_place:
-            w = j in takes
+            w = overlap  # the worker's kernel, its ring and slowdowns (False: DeepSpeed's update at the step)
             s = sizes[j]
-            t = max(t, bwd * (ready_fraction[j] - 1.0)) if w and in_backward else max(t, 0.0)
+            t = max(t, bwd * (ready_fraction[j] - 1.0)) if j in takes and in_backward else max(t, 0.0)
             ring, ups = rings[w], form_ups[w]
             if ring and len(ups) >= ring:
                 t = max(t, ups[len(ups) - ring].end)
@@ -404,7 +404,6 @@ def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, co
     plan = make_plan(len(sizes), sched)
     node = coeffs.node
     b = coeffs.backward
-    speculative = speculative_count(sched)
     lane_in_backward = sched.overlap_backward and grad_ready is not None and regime == "no_clip"
 
     def iteration(plan: Plan) -> tuple[Optional[BackwardPrediction], StepPrediction]:
@@ -414,8 +413,7 @@ def predict(sizes: Sequence[int], sub_group_size: int, sched: ScheduleConfig, co
 
         def step_with(bwd_s: Optional[float]) -> StepPrediction:
             return simulate_step(sizes, sched, node, coeffs.overhead_s, backward_s=bwd_s, ready_fraction=grad_ready,
-                                 plan=plan, shape=coeffs.shape, grad_bytes=grad_bytes, regime=regime,
-                                 speculative=speculative)
+                                 plan=plan, shape=coeffs.shape, grad_bytes=grad_bytes, regime=regime)
 
         if b is None:
             return None, step_with(m.bwd_s)

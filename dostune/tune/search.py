@@ -30,8 +30,9 @@ from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
+from .limits import check_host_room, gpu_capacity_gib, limits_line, peak_limit_gib, step_budget_gib, usable_gpu_gib
 from .regime import NAMES, Scoring, check_regime, scoring
-from .space import GPU_SHARE, Space
+from .space import GPU_SHARE, Candidate, Space
 from .world import check_model_profile_world, check_node_gpus, find_model_profile, host_budget, resolve_world
 
 SAMPLERS = ("tpe", "random", "qmc")
@@ -50,8 +51,9 @@ class TuneOptions:
     trials: int = 100
     sampler: str = "tpe"
     seed: int = 0
-    gpu_memory_budget: str = "auto"  # "auto" or GiB
-    max_peak_increase: Optional[float] = 0.10  # over ZeRO-Offload's measured peak
+    gpu_memory_budget: str = "auto"  # "auto" (the step's free memory less the headroom, limits.py) or GiB
+    # over ZeRO-Offload's measured peak (equal memory); None: the GPU's memory less the headroom (limits.py)
+    max_peak_increase: Optional[float] = None
     output_dir: Optional[Path] = None
     storage: Optional[str] = None
     study_name: Optional[str] = None
@@ -150,7 +152,7 @@ def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_
             raise ProfileError(f"model profile {model_path} was measured without a GPU, so the GPU memory free "
                                "during the step is unknown", hint="profile the model on the GPU node, or give "
                                                                   "--gpu-memory-budget in GiB")
-        return m.free_step_gib
+        return step_budget_gib(m.free_step_gib, m.gpu_total_gib)
     try:
         value = float(opts.gpu_memory_budget)
     except ValueError:
@@ -174,25 +176,19 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
     else:
         m = ModelInputs(model=opts.model, params=sum(numels))
         prof_sub = None
-    peak_limit = None
-    if opts.max_peak_increase is not None and m.offload_peak_gib is not None:
-        peak_limit = m.offload_peak_gib * (1 + opts.max_peak_increase)
+    capacity = gpu_capacity_gib(m, node_p)
+    peak_limit = peak_limit_gib(m, capacity, opts.max_peak_increase)
     host = host_budget(opts.host_memory_budget, node_p, world.gpus_per_node)
     space = Space(node, m, numels, None, peak_limit, world=world, profile_subgroups=prof_sub, host_budget_gib=host)
     if space.coeffs.lacking:
         opts.notes.append(f"the {' and the '.join(space.coeffs.lacking)} come from an older dostune and lack "
                           "measurements this one makes; the model stands in defaults for them (listed with --verbose "
                           "and in tune.json): profile again with this dostune for closer predictions")
-    # the least any offloaded schedule pins (fp32 params, Adam states and gradients of the partition, nothing else)
-    least = space.node_pinned_gib(space.predict_schedule(space.sub_group_sizes[-1], ScheduleConfig(gpu_fraction=0.0)))
-    if least > host:
-        raise DostuneError(f"{world.describe()}: the {world.gpus_per_node} rank(s) of a node pin at least {least:.1f} GiB "
-                           f"of host memory for {opts.model}'s offloaded optimizer state, more than the node's "
-                           f"{host:.1f} GiB", hint="spread it over more ranks (--num-gpus, --nodes), or give "
-                                                  "--host-memory-budget in GiB if the node has more")
+    check_host_room(space, opts.model, usable_gpu_gib(capacity))
     # after the host check: a model whose state no schedule fits is refused before asking for its model profile
     space.budget_gib = _budget(opts, m, model_path, node_path, node_p.name)
     space.regime = scored_regime(opts, model_p)
+    opts.details.append(limits_line(space, capacity, opts.max_peak_increase))
     return space, node_p, node_path, model_p, model_path, m
 
 
@@ -417,15 +413,21 @@ def _check_storage(url: str) -> None:
                            hint="use sqlite:///path/study.db (the default is one in --output-dir)") from None
 
 
-def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
-    progress = progress or NullProgress()
-    check_options(opts)
-    space, node_p, node_path, model_p, model_path, m = build_space(opts)
+def run_settings(opts: TuneOptions, model_p: Optional[ModelProfile]) -> tuple[int, str]:
+    """The micro-batch and precision tuned for: the options', else the model profile's (which they must agree
+    with: its times and memory are that batch's)."""
     micro_batch = opts.micro_batch or (model_p.micro_batch if model_p else 8)
     if model_p is not None and micro_batch != model_p.micro_batch:
         raise DostuneError(f"--micro-batch {micro_batch} differs from the model profile's {model_p.micro_batch}: "
                            "its forward/backward times and memory would not apply", hint="profile that batch size")
-    precision = opts.precision or (model_p.precision if model_p else "bf16")
+    return micro_batch, opts.precision or (model_p.precision if model_p else "bf16")
+
+
+def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[TuneResult, dict, Space]:
+    progress = progress or NullProgress()
+    check_options(opts)
+    space, node_p, node_path, model_p, model_path, m = build_space(opts)
+    micro_batch, precision = run_settings(opts, model_p)
     if opts.activation_checkpointing:
         opts.notes.append("the emitted config checkpoints every block: the predicted times and memory hold if the "
                           "model profile was measured that way too (dostune profile --model ... "

@@ -19,6 +19,7 @@ from ..perfmodel.subgroups import subgroup_sizes
 from ..perfmodel.world import World, node_pinned_gib
 from ..perfmodel.zero_offload import ZeroOffloadPrediction, predict_zero_offload
 from .regime import Scoring
+from .limits import fit_speculation
 
 SUB_GROUP_SIZES = (10_000_000, 25_000_000, 50_000_000, 100_000_000, 200_000_000, 400_000_000)
 BUFFERS = (1, 2, 3, 4)
@@ -110,11 +111,13 @@ class Space:
         # the GPU memory. On the H100 with gpt2-1.3b the measured step fell from 0.106 to 0.099 s and from 0.104 to
         # 0.078 s with the swing (to the CPU lane) on.
         swing = full_swing(n, c.gpu_count, resident) if c.overlap_backward else 0
-        return ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
+        base = ScheduleConfig(gpu_fraction=gpu_fraction_for(c.gpu_count, n), staging_buffers=c.staging_buffers,
                               gpu_placement=c.gpu_placement, cpu_threads=c.cpu_threads, upload=c.upload,
                               grads_on_gpu=c.grads_on_gpu,
                               overlap_backward=c.overlap_backward, resident_subgroups=resident, adaptive_swing=swing,
                               expected_subgroups=n)
+        # how many CPU-lane subgroups speculate during backward: as many as the node's host budget holds (limits.py)
+        return fit_speculation(self, c.sub_group_size, base)
 
     def _predict(self, c: Candidate, resident: int, regime: Regime = "no_clip") -> Prediction:
         return self.predict_schedule(c.sub_group_size, self.schedule(c, resident), regime)
