@@ -84,23 +84,11 @@ class _Group(_FlagHelp, TyperGroup):
             err_console.print("aborted")
             sys.exit(1)
         code = rv if isinstance(rv, int) else 0
-        if code == 0:
-            _leave_launchers_world()
+        if code == 0:  # not after a failure: a rank that failed may leave peers inside a collective
+            from ..train.engine import leave_launchers_world
+
+            leave_launchers_world()
         sys.exit(code)
-
-
-_left_launchers_world = False  # set once a command that succeeded has closed the world a launcher made
-
-
-def _leave_launchers_world() -> None:
-    """Closed only on success: a rank that failed may leave peers inside a collective, which closing could wait
-    on."""
-    global _left_launchers_world
-    if "torch.distributed" not in sys.modules:  # a command that never touched torch.distributed
-        return
-    from ..train.engine import leave_launchers_world
-
-    _left_launchers_world = leave_launchers_world()
 
 
 app = typer.Typer(
@@ -162,16 +150,17 @@ def quiet_known_warnings() -> None:
 
 def main() -> None:
     """The process's entry point: the `dostune` script, and `python -m dostune.train` on a launcher's ranks. A rank
-    that succeeded ends without the interpreter's teardown (train.engine.exit_skipping_teardown says why); `app`
+    that closed its launcher's world (it succeeded, or train stopped every rank at one step) ends without the
+    interpreter's teardown (train.engine.exit_skipping_teardown says why); `app`
     only raises SystemExit, which a script that calls it may catch."""
     quiet_known_warnings()
     try:
         app()
-    except SystemExit:
-        if _left_launchers_world:
-            from ..train.engine import exit_skipping_teardown
+    except SystemExit as e:
+        from ..train.engine import exit_skipping_teardown, left_launchers_world
 
-            exit_skipping_teardown()
+        if left_launchers_world():
+            exit_skipping_teardown(e.code if isinstance(e.code, int) else 0)
         raise
 
 

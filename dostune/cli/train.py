@@ -125,6 +125,11 @@ def train(
         if json_out:
             print_json(summary.__dict__)
     if summary.interrupted:
+        from ..train.engine import leave_launchers_world
+
+        # every rank agreed on this stop's step and saved there, so none waits for another in a collective: the world
+        # closes as after a success, and the rank ends without the teardown that can abort a gloo rank
+        leave_launchers_world()
         latest = read_latest(save_dir) if save_dir else None
         if rank0 and latest:  # its own line, unwrapped, to copy from a terminal or a job's log
             err_console.print(f"resume with: {opts.resume_command}", soft_wrap=True, highlight=False, markup=False)

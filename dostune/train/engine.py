@@ -85,10 +85,22 @@ def _unlink_deepspeeds_shm_buffer(rank: int, world_size: int) -> None:
         pass
 
 
+_left_launchers_world = False  # set once a command closed the world a launcher made (exit_skipping_teardown then)
+
+
 def leave_launchers_world() -> bool:
-    """Close the world a launcher made, once this rank's command has succeeded; whether there was one to close. A
-    world of one made here stays open for the process's next command and is closed at exit."""
-    return not _own_world and _leave_world()
+    """Close the world a launcher made, once no peer can be waiting for this rank in a collective: its command
+    succeeded, or every rank agreed to stop at the same step and saved (train's stop); whether there was one to
+    close. A world of one made here stays open for the process's next command and is closed at exit."""
+    global _left_launchers_world
+    if "torch.distributed" not in sys.modules:  # a command that never touched torch.distributed
+        return False
+    _left_launchers_world = _left_launchers_world or (not _own_world and _leave_world())
+    return _left_launchers_world
+
+
+def left_launchers_world() -> bool:
+    return _left_launchers_world
 
 
 def _leave_world() -> bool:
@@ -100,8 +112,9 @@ def _leave_world() -> bool:
     return True
 
 
-def exit_skipping_teardown() -> NoReturn:
-    """End a launched rank whose command succeeded (exit 0) without the interpreter's teardown.
+def exit_skipping_teardown(code: int = 0) -> NoReturn:
+    """End a launched rank whose world was closed (leave_launchers_world) with ``code``, without the interpreter's
+    teardown.
 
     Closing the world does not free the default process group: a torch module imported once it exists holds it as
     a default argument (torch.distributed.nn.functional's ``group=group.WORLD``, on DeepSpeed's launched CPU ranks),
@@ -121,7 +134,7 @@ def exit_skipping_teardown() -> NoReturn:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
