@@ -1,4 +1,4 @@
-"""The CPU regression gate (dostune/bench/gate.py): its statistic, its verdict, its baseline (a pinned commit), the
+"""The CPU regression gate (dostune/bench/gate.py, gate_statistic.py, gate_worker.py): its statistic, its verdict, its baseline (a pinned commit), the
 test-only slowdown switch, and one real run of both workers on a tiny model."""
 import json
 import math
@@ -10,7 +10,7 @@ from xml.etree import ElementTree as ET
 import pytest
 from typer.testing import CliRunner
 
-from dostune.bench import gate
+from dostune.bench import gate, gate_statistic, gate_worker
 from dostune.bench.check import compare_gate, junit_xml
 from dostune.cli.app import app
 from dostune.errors import ConfigError
@@ -20,29 +20,29 @@ def test_the_ratio_is_the_median_of_steps_paired_in_turn_with_a_sign_test_interv
     # the pairs' ratios 1.0, 1.1, 0.9, 1.2, 1.05: median 1.05; a burst that slows both steps of a turn alike
     # (the third turn: both 2x) changes no ratio
     cur, ref = [1.0, 1.1, 1.8, 1.2, 1.05], [1.0, 1.0, 2.0, 1.0, 1.0]
-    ratio, low, high = gate.paired_ratio(cur, ref, 0.9)
+    ratio, low, high = gate_statistic.paired_ratio(cur, ref, 0.9)
     assert ratio == pytest.approx(1.05)
     assert (low, high) == (pytest.approx(0.9), pytest.approx(1.2))  # 5 samples: only the extremes are 90% sure
     with pytest.raises(ValueError):
-        gate.paired_ratio([1.0], [1.0, 2.0], 0.9)  # every step has its partner
+        gate_statistic.paired_ratio([1.0], [1.0, 2.0], 0.9)  # every step has its partner
     # the sign test's ranks: P(at most k of n below the median) <= (1 - confidence) / 2
-    assert gate.median_interval_rank(10, 0.95) == 1  # P(<=1 of 10) = 11/1024 = 0.011; P(<=2) = 0.055
-    assert gate.median_interval_rank(40, 0.99) == 11  # P(<=11 of 40) = 0.0032; P(<=12) = 0.0083
-    assert gate.median_interval_rank(4, 0.99) == 0
+    assert gate_statistic.median_interval_rank(10, 0.95) == 1  # P(<=1 of 10) = 11/1024 = 0.011; P(<=2) = 0.055
+    assert gate_statistic.median_interval_rank(40, 0.99) == 11  # P(<=11 of 40) = 0.0032; P(<=12) = 0.0083
+    assert gate_statistic.median_interval_rank(4, 0.99) == 0
     for n in (8, 40, 160):
-        k = gate.median_interval_rank(n, 0.99)
+        k = gate_statistic.median_interval_rank(n, 0.99)
         assert sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n <= 0.005
         assert sum(math.comb(n, i) for i in range(k + 2)) / 2 ** n > 0.005 or k == 0
     # ratios spread evenly over 0.95-1.05: more of them, a narrower interval around the same median
     spread = lambda n: [0.95 + 0.1 * i / (n - 1) for i in range(n)]  # noqa: E731
-    wide, narrow = gate.paired_ratio(spread(40), [1.0] * 40, 0.99), gate.paired_ratio(spread(160), [1.0] * 160, 0.99)
+    wide, narrow = gate_statistic.paired_ratio(spread(40), [1.0] * 40, 0.99), gate_statistic.paired_ratio(spread(160), [1.0] * 160, 0.99)
     assert wide[0] == pytest.approx(1.0) and narrow[0] == pytest.approx(1.0)
     assert wide[2] - wide[1] == pytest.approx(0.1 * 17 / 39) and narrow[2] - narrow[1] == pytest.approx(0.1 * 33 / 159)
 
 
 def test_settled_means_the_interval_lies_wholly_on_one_side_of_the_tolerance():
-    assert gate.settled(0.95, 1.069, 0.07) and gate.settled(1.071, 1.2, 0.07)
-    assert not gate.settled(1.0, 1.08, 0.07) and not gate.settled(1.06, 1.09, 0.07)
+    assert gate_statistic.settled(0.95, 1.069, 0.07) and gate_statistic.settled(1.071, 1.2, 0.07)
+    assert not gate_statistic.settled(1.0, 1.08, 0.07) and not gate_statistic.settled(1.06, 1.09, 0.07)
 
 
 def _run(ratio, wall=1.0, n=40, low=None, high=None, rounds=1):
@@ -138,15 +138,15 @@ def test_a_commit_no_repository_has_is_refused_with_the_fetch_hint(tmp_path, mon
 
 
 def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
-    monkeypatch.delenv(gate.SLOW_CPU_LANE_ENV, raising=False)
-    assert gate.cpu_lane_slowdown() == 0.0
-    assert gate.cpu_lane_seams().wrap_update is None  # unset: the engines are built as users build them
-    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "0.2")
-    assert gate.cpu_lane_slowdown() == 0.2
+    monkeypatch.delenv(gate_worker.SLOW_CPU_LANE_ENV, raising=False)
+    assert gate_worker.cpu_lane_slowdown() == 0.0
+    assert gate_worker.cpu_lane_seams().wrap_update is None  # unset: the engines are built as users build them
+    monkeypatch.setenv(gate_worker.SLOW_CPU_LANE_ENV, "0.2")
+    assert gate_worker.cpu_lane_slowdown() == 0.2
     for bad in ("fast", "-0.1", "nan"):
-        monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, bad)
-        with pytest.raises(ConfigError, match=gate.SLOW_CPU_LANE_ENV):
-            gate.cpu_lane_slowdown()
+        monkeypatch.setenv(gate_worker.SLOW_CPU_LANE_ENV, bad)
+        with pytest.raises(ConfigError, match=gate_worker.SLOW_CPU_LANE_ENV):
+            gate_worker.cpu_lane_slowdown()
 
     def work(x):
         t = time.perf_counter() + 0.02
@@ -154,13 +154,13 @@ def test_slowdown_switch_parsing_and_wrapper(monkeypatch):
             pass
         return x + 1
 
-    assert gate.slowed(work, 0.0) is work
-    slower = gate.slowed(work, 1.0)
+    assert gate_worker.slowed(work, 0.0) is work
+    slower = gate_worker.slowed(work, 1.0)
     t0 = time.perf_counter()
     assert slower(1) == 2
     assert time.perf_counter() - t0 >= 0.04  # the call's 0.02 s, then as long again
-    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "1.0")
-    slower = gate.cpu_lane_seams().wrap_update(work)  # the seam this tree's worker builds its engines with
+    monkeypatch.setenv(gate_worker.SLOW_CPU_LANE_ENV, "1.0")
+    slower = gate_worker.cpu_lane_seams().wrap_update(work)  # the seam this tree's worker builds its engines with
     t0 = time.perf_counter()
     assert slower.__wrapped__ is work and slower(1) == 2 and time.perf_counter() - t0 >= 0.04
 
@@ -201,7 +201,7 @@ def test_turns_alternate_and_a_quiet_run_stops_after_one_round():
     assert asked[:4] == [("current", False), ("baseline", False), ("baseline", False), ("current", False)]
     assert [n for n, _ in asked[4:8]] == ["current", "baseline", "baseline", "current"] and len(asked) == 20
     # the bursts slowed both steps of a turn alike: the paired ratio does not see them
-    ratio = gate.paired_ratio(*[[x["cpu"] for x in times[k]] for k in ("current", "baseline")], 0.99)[0]
+    ratio = gate_statistic.paired_ratio(*[[x["cpu"] for x in times[k]] for k in ("current", "baseline")], 0.99)[0]
     assert ratio == pytest.approx(1.0)
     _, rounds, _, _ = _turns(s, 0.07, lambda k: 1.2)  # a clear slowdown settles at once too
     assert rounds == 1
@@ -215,8 +215,8 @@ def test_a_run_whose_interval_straddles_the_tolerance_times_more_rounds_up_to_ma
     first_disturbed = lambda k: (0.80 + 0.5 * ((k * 7) % 40) / 39) if k < 40 else 1.0 + 0.01 * (k % 3 - 1)  # noqa
     times, rounds, _, lines = _turns(s, 0.07, first_disturbed)
     cur, ref = ([x["cpu"] for x in times[k]] for k in ("current", "baseline"))
-    assert not gate.settled(*gate.paired_ratio(cur[:40], ref[:40], 0.99)[1:], 0.07)
-    assert rounds == 2 and len(cur) == 80 and gate.paired_ratio(cur, ref, 0.99)[2] <= 1.07
+    assert not gate_statistic.settled(*gate_statistic.paired_ratio(cur[:40], ref[:40], 0.99)[1:], 0.07)
+    assert rounds == 2 and len(cur) == 80 and gate_statistic.paired_ratio(cur, ref, 0.99)[2] <= 1.07
     assert len(lines) == 2 and "40 more timed steps of each" in lines[1] and "7% tolerance" in lines[1]
     # disturbed throughout: max_pairs, then judged on what it has
     times, rounds, _, lines = _turns(s, 0.07, lambda k: 0.80 + 0.5 * ((k * 7) % 40) / 39)
@@ -252,7 +252,7 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     update during backward: clipping is certain), and the slowdown switch reaches this tree's worker only."""
     repo, sha = _repo_with_this_dostune(tmp_path / "repo")
     monkeypatch.chdir(repo)  # the commit is found in the current folder's repository
-    monkeypatch.setenv(gate.SLOW_CPU_LANE_ENV, "0.5")
+    monkeypatch.setenv(gate_worker.SLOW_CPU_LANE_ENV, "0.5")
     settings = gate.GateSettings(model="gpt2-tiny", sub_group_size=20_000, pairs=4, max_pairs=8, warmup=1, engines=2,
                                  schedule={**gate.GATE_SCHEDULE, "gpu_fraction": 0.4})
     run = gate.run_gate(gate.GateBaseline(baseline_commit=sha, pinned="t", settings=settings), 0.07)
@@ -261,7 +261,7 @@ def test_one_gate_run_of_both_workers(tmp_path, monkeypatch):
     assert len(run.current_cpu_s) == len(run.baseline_wall_s) == 4 * run.rounds and run.rounds in (1, 2)
     assert len(run.engine_ratios) == 2 and math.isfinite(run.ratio) and run.ratio > 0
     # the verdict's ratio: the median over the turns of this tree's step over the pinned one beside it
-    assert (run.ratio, run.low, run.high) == gate.paired_ratio(run.current_cpu_s, run.baseline_cpu_s, 0.99)
+    assert (run.ratio, run.low, run.high) == gate_statistic.paired_ratio(run.current_cpu_s, run.baseline_cpu_s, 0.99)
     # a worker that stops says why in one line (here: both refuse an unknown model)
     bad = settings.model_copy(update={"model": "no-such-model"})
     with pytest.raises(gate.GateError, match=r"worker stopped \(exit 1\).*unknown model 'no-such-model'"):
@@ -293,7 +293,7 @@ def test_the_slowdown_seam_wraps_every_cpu_lane_update_and_changes_no_result(ove
     calls = []
 
     def wrap(update):
-        slower = gate.slowed(update, 0.5)
+        slower = gate_worker.slowed(update, 0.5)
         return lambda *args: calls.append(args) or slower(*args)
 
     train = base_settings(precision="bf16")

@@ -24,6 +24,7 @@ from ..errors import DostuneError
 from ..stats import Stat
 from . import gate
 from .gate import GateBaseline, GateRun
+from .gate_statistic import settled
 from .record import BenchResult
 
 PHASES = ("fwd", "bwd", "step", "iter")
@@ -136,7 +137,7 @@ def compare_gate(base: GateBaseline, run: GateRun, tolerance: float) -> CheckRep
     check_tolerance(tolerance)
     s = base.settings
     pairs = len(run.current_cpu_s)
-    if gate.settled(run.low, run.high, tolerance):
+    if settled(run.low, run.high, tolerance):
         how = f"clear of the {tolerance:.0%} tolerance"
     else:
         how = f"not clear of the tolerance after {pairs} turns, the most a run takes: judged on the median"

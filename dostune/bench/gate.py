@@ -19,35 +19,17 @@ first subgroup that becomes ready (its partial-norm cutoff, the path training ta
 certain) and the whole CPU lane runs in the step, beside the GPU lane. The overlap machinery still runs: the lane
 worker, shadow buffers, their commit.
 
-Why CPU time, one thread, and retained heap. On a 2-core machine shared with other jobs a step's wall time
-mostly measures how long the process waited for a core; the CPU time of the process during the step (all its
-threads: the host and the lane worker) does not count waiting. Every thread count is one, so no thread waits for
-a sibling that was preempted. Each step on a CPU device allocates fresh staging memory; the page faults that
-follow cost kernel time that depends on the machine's memory pressure (about 20 ms of a 55 ms step, 3x apart
-between processes, on the CI machine), so the workers ask glibc to keep freed memory for reuse.
-
-The statistic: each timed step of this tree against the pinned commit's step right beside it (the same turn, the
-same engine index), the median of those pairs' log ratios, and a distribution-free confidence interval for that
-median (``paired_ratio``). A neighbour's load comes in bursts: beside a busy test suite the two steps of one turn
-(0.2 s apart) are slowed alike (their CPU times correlate, typically 0.6), steps 4 s apart not at all, so the ratio
-of time-adjacent steps cancels a burst that a quantile of each side's steps, taken apart, keeps. The median needs no
-assumption on how the disturbed steps are spread. A run measures in rounds of ``pairs`` turns and stops as soon as
-the interval lies wholly below or wholly above 1 + tolerance (``settled``); a disturbed run, whose interval is wide,
-measures more rounds with the engines it has built, up to ``max_pairs``, and is then judged on the median of all it
-measured.
+Each worker (gate_worker.py) reports its step's CPU time, with one thread and glibc keeping freed memory, for the
+reasons given there. The statistic, each step against the pinned one beside it, and the rule that ends a run's
+rounds of turns are gate_statistic.py's.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import datetime as _dt
-import functools
 import json
-import math
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,8 +37,10 @@ from typing import Callable, Literal, Optional
 
 from pydantic import BaseModel, Field, model_validator
 
-from ..errors import ConfigError, DostuneError, ProfileError
+from ..errors import DostuneError, ProfileError
 from ..records import Record
+from .gate_statistic import paired_ratio, settled
+from .gate_worker import SLOW_CPU_LANE_ENV, cpu_lane_slowdown, worker
 
 GATE_KIND = "dostune.gate"
 GATE_SCHEMA_VERSION = 2  # 2: a run is timed in rounds (max_pairs, confidence)
@@ -65,11 +49,6 @@ PROTOCOL = 1
 # One GPU-lane subgroup of 2.4M elements (the sixth of seven: gpu_fraction 0.17, spread), six on the CPU lane.
 GATE_SCHEDULE = {"gpu_fraction": 0.17, "gpu_placement": "spread", "overlap_backward": True, "cpu_threads": 1,
                  "backward_cpu_threads": 1}
-# The test-only switch that makes this tree's CPU lane slower, to prove the gate catches such a slowdown
-# (docs/ci-gate.md): 0.2 makes every CPU-lane update of a subgroup take 20% longer, as a slower kernel would. Read by
-# this tree's worker, which hands the engine the slower update (optim.cpu_lane.CpuLaneSeams); the pinned commit's
-# worker never sees it.
-SLOW_CPU_LANE_ENV = "DOSTUNE_TEST_SLOW_CPU_LANE"
 
 
 class GateSettings(Record):
@@ -147,132 +126,6 @@ class GateRun(BaseModel):
         return (self.high - self.low) / (2 * self.ratio)
 
 
-def median_interval_rank(n: int, confidence: float) -> int:
-    """The 0-based rank k such that the k-th smallest and the k-th largest of n samples bound their median with at
-    least ``confidence``: the largest k with P(at most k of n samples below the median) <= (1 - confidence) / 2,
-    each sample lying below it with probability one half (the sign test). 0, the extremes, when n is too small for
-    that confidence."""
-    tail = (1 - confidence) / 2
-    k, below = 0, 1 / 2 ** n  # below: P(at most k samples below the median)
-    while 2 * (k + 1) < n - 1:
-        more = below + math.comb(n, k + 1) / 2 ** n
-        if more > tail:
-            break
-        k, below = k + 1, more
-    return k
-
-
-def paired_ratio(current: list[float], baseline: list[float], confidence: float) -> tuple[float, float, float]:
-    """(median, low, high): the median over the pairs of current[j] / baseline[j] and its ``confidence``
-    interval."""
-    logs = sorted(math.log(c / b) for c, b in zip(current, baseline, strict=True))
-    k = median_interval_rank(len(logs), confidence)
-    return math.exp(statistics.median(logs)), math.exp(logs[k]), math.exp(logs[-1 - k])
-
-
-def settled(low: float, high: float, tolerance: float) -> bool:
-    """Whether an interval lies wholly on one side of 1 + tolerance: the run can tell, and stops timing."""
-    return high <= 1 + tolerance or low > 1 + tolerance
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to serve allocations up to 32 MiB from the heap and never give freed heap back to the kernel, so
-    the staging memory each step allocates is reused instead of mapped and page-faulted anew. False where the C
-    library is not glibc (the gate then runs without it)."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-
-
-def cpu_lane_slowdown() -> float:
-    """The fraction by which the environment asks the CPU lane to be slower; 0 when unset."""
-    text = os.environ.get(SLOW_CPU_LANE_ENV, "").strip()
-    if not text:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 10:
-        raise ConfigError(f"{SLOW_CPU_LANE_ENV} must be a fraction between 0 and 10 (0.2: 20% slower), got {text!r}",
-                          hint=f"unset {SLOW_CPU_LANE_ENV}: it is a test-only switch")
-    return value
-
-
-def slowed(update: Callable, fraction: float) -> Callable:
-    """``update``, each call followed by busy work for ``fraction`` of that call's own duration (the thread keeps its
-    CPU busy, so the extra time is CPU time too); ``update`` itself when ``fraction`` is 0."""
-    if not fraction:
-        return update
-
-    @functools.wraps(update)
-    def slower(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = update(*args, **kwargs)
-        t1 = time.perf_counter()
-        end = t1 + fraction * (t1 - t0)
-        while time.perf_counter() < end:
-            pass
-        return out
-
-    return slower
-
-
-def cpu_lane_seams():
-    """The seams this tree's engines are built with: the CPU lane slowed as the environment asks (unset: none)."""
-    from ..optim.cpu_lane import CpuLaneSeams
-
-    fraction = cpu_lane_slowdown()
-    return CpuLaneSeams(wrap_update=functools.partial(slowed, fraction=fraction) if fraction else None)
-
-
-# ---------------------------------------------------------------------------------------------- the worker side
-def worker(settings_json: str) -> int:
-    """One side of the gate: build the engine, then answer the parent's lines on stdin ("step 0" untimed, "step 1"
-    timed, "end") with one JSON line each on the original stdout; everything else printed goes to stderr."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    keep_freed_memory()
-    import torch
-
-    from ..dsconfig import OffloadSettings, TrainSettings, deepspeed_config
-    from ..models.registry import loss_of, resolve_model
-    from ..optim.schedule import ScheduleConfig
-    from ..train.engine import build_engine
-
-    s = GateSettings.model_validate_json(settings_json)
-    torch.set_num_threads(s.threads)
-    spec = resolve_model(s.model)
-    train = TrainSettings(micro_batch=s.micro_batch, precision=s.precision, clip=s.clip)
-    cfg = deepspeed_config(train, OffloadSettings(sub_group_size=s.sub_group_size,
-                                                  schedule=ScheduleConfig(**s.schedule)))
-    seams = cpu_lane_seams()
-    engines = [build_engine(spec, cfg, seed=s.seed, seams=seams) for _ in range(s.engines)]
-    gens = [torch.Generator().manual_seed(s.seed + 1) for _ in engines]
-    proto.write(json.dumps({"protocol": PROTOCOL, "lanes": list(engines[0].optimizer.dostune_plan.lanes),
-                            "slow_cpu_lane": cpu_lane_slowdown()}) + "\n")
-    k = 0
-    for line in sys.stdin:
-        if line.strip() == "end":
-            spec_updates = sum(e.optimizer.dostune_overlap_stats["speculative"] for e in engines)
-            proto.write(json.dumps({"speculative": spec_updates}) + "\n")
-            break
-        engine, gen = engines[k % len(engines)], gens[k % len(engines)]
-        k += 1
-        engine.backward(loss_of(engine(**spec.batch(s.micro_batch, s.seq, gen, engine.device))))
-        c0, t0 = time.process_time(), time.perf_counter()
-        engine.step()
-        t1, c1 = time.perf_counter(), time.process_time()
-        proto.write(json.dumps({"cpu": c1 - c0, "wall": t1 - t0}) + "\n")
-    for e in engines:
-        e.destroy()
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------- the parent side
 class GateError(DostuneError):
     exit_code = 2
 
