@@ -28,6 +28,7 @@ ds = json.loads(config.read_text())
 sgs, sched = ds["zero_optimization"]["sub_group_size"], ScheduleConfig.from_ds_config(ds)
 measured = float(os.environ["ITER_S"]) if os.environ["ITER_S"] else None
 print(f"fixed schedule ({config}): sub_group_size {sgs:g}, {sched.model_dump(exclude_none=True)}")
+print()
 print("| mode | node profile s | model profile s | predicted iteration s" + (" | measured s | error |" if measured else " |"))
 print("|---|---|---|---" + ("|---|---|" if measured else "|"))
 for mode in modes:

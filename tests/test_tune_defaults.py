@@ -29,7 +29,7 @@ def test_by_default_a_schedule_may_fill_the_gpu_less_the_headroom():
     assert space.max_peak_gib == pytest.approx(gpu * 0.9)
     assert space.budget_gib == pytest.approx(step.free_gib - 0.1 * gpu)  # the step's measured free memory, less it
     assert ("memory limits: peak GPU memory at most 125.8 GiB, the GPU's 139.8 GiB less a 14.0 GiB headroom (10%), "
-            "at most 123.2 GiB staged during the step; the node's ranks pin at most 116.7 GiB") in opts.details[-1]
+            "at most 123.2 GiB staged during the step; the node's ranks pin at most 116.4 GiB") in opts.details[-1]
 
 
 def test_max_peak_increase_gives_the_equal_memory_search():
