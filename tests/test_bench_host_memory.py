@@ -31,8 +31,9 @@ def test_llama_7b_on_a_125_gib_host_runs_zero_offload_without_pinning_and_dostun
     assert not zo.pin_memory and note.startswith("pin_memory false: pinned it needs about 134 GiB")
     dos = OffloadSettings(sub_group_size=100_000_000, pin_memory=False, schedule=ScheduleConfig(gpu_fraction=0.25))
     assert fit_host_memory("dostune", dos, numels, "bf16", 124 * GiB) == (dos, "")
-    # the CPU lane during backward keeps shadow states of ~5e9 parameters: 56 GiB more than the host has
-    with pytest.raises(DostuneError, match="not run: its optimizer state needs about 17[0-9].[0-9] GiB"):
+    # the CPU lane during backward keeps shadow states of ~5e9 parameters (56 GiB), though it holds no fp32 gradients
+    # for them (it reads the half-precision ones): 154 GiB, more than the host has
+    with pytest.raises(DostuneError, match="not run: its optimizer state needs about 15[0-9].[0-9] GiB"):
         fit_host_memory("dostune", dos.__class__(**{**dos.__dict__, "schedule": ScheduleConfig(
             gpu_fraction=0.25, overlap_backward=True)}), numels, "bf16", 124 * GiB)
     with pytest.raises(DostuneError, match=r"not run: .*115.0 GiB of host memory \(134.3 pinned\), 100.0 GiB"):

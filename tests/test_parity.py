@@ -360,6 +360,36 @@ def test_gpu_lane_gradients_skip_the_host_copy_in_bf16():
         engine.destroy()
 
 
+def test_cpu_lane_subgroups_hold_no_fp32_gradient_buffer():
+    """With the CPU lane in backward, its subgroups' gradients stay in DeepSpeed's half-precision buffer: their fp32
+    host buffers are freed at start-up (a zero-stride view of one zero is left, which refuses writes), a gradient
+    setter is refused with the reason, and training runs (parity: test_matches_deepspeed)."""
+    from deepspeed.utils import safe_set_full_grad
+
+    from dostune.errors import ConfigError
+    from dostune.models.registry import loss_of
+    from dostune.optim.schedule import host_half_gradients
+    from parity_helpers import SEQ
+
+    spec, engine = tiny_engine(base_settings(precision="bf16"), SCHEDULES["overlap"])
+    opt = engine.optimizer
+    gen = torch.Generator().manual_seed(1)
+    try:
+        released = opt._dos.grads.released
+        assert released and released == host_half_gradients(len(opt.fp16_groups), opt._dos.schedule)
+        assert released == set(opt.dostune_plan.cpu_order)
+        for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+            assert (fp32.grad.stride() == (0,)) == (i in released), f"subgroup {i}"
+        param = next(p for p in engine.module.parameters() if opt.grad_position[opt.get_param_id(p)][0] in released)
+        with pytest.raises(ConfigError, match="cannot be changed between backward and step"):
+            safe_set_full_grad(param, torch.zeros(param.ds_shape))
+        for _ in range(2):
+            engine.backward(loss_of(engine(**spec.batch(2, SEQ, gen, engine.device))))
+            engine.step()
+    finally:
+        engine.destroy()
+
+
 def _grads_after_backward(schedule, edit=None):
     """(full grads, local grads, master weights after the step) of the second step; ``edit(engine)`` runs between
     that step's backward and its step."""

@@ -132,6 +132,7 @@ def test_the_fraction_for_a_count_selects_exactly_that_count(n):
 def test_pinned_host_memory_counts_what_the_cpu_lane_allocates():
     from dostune.optim.footprint import (HALF_RING_BYTES, backward_lane_host_bytes, half_ring_count,
                                          lane_buffer_bytes, pinned_host_bytes)
+    from dostune.optim.schedule import host_half_gradients
 
     sizes = [100, 300, 200, 200, 100]
     # GPU lane 0-2 (0 resident); the CPU lane 3, 4; adaptive_swing may move 2 and 1 to it
@@ -143,13 +144,17 @@ def test_pinned_host_memory_counts_what_the_cpu_lane_allocates():
     lanes = 12 * 800 + 4 * 300 * 2
     assert backward_lane_host_bytes(sizes, plan, sched) == lane_buffer_bytes(sizes, plan, sched) == lanes
     # fp32 params, gradients, exp_avg and exp_avg_sq of every subgroup but the resident one (16 bytes per element),
-    # and DeepSpeed's bf16 gradient buffer over all of them (2; 4 in fp32)
-    assert pinned_host_bytes(sizes, plan, sched) == 16 * 800 + 2 * 900 + lanes
-    assert pinned_host_bytes(sizes, plan, sched, grad_buffer=4) == 16 * 800 + 4 * 900 + lanes
+    # but no fp32 gradients for the CPU lane's own (3 and 4), which it reads in half precision, and DeepSpeed's bf16
+    # gradient buffer over all of them (2; 4 in fp32)
+    assert host_half_gradients(5, sched) == {3, 4}
+    assert pinned_host_bytes(sizes, plan, sched) == 16 * 800 - 4 * 300 + 2 * 900 + lanes
+    assert pinned_host_bytes(sizes, plan, sched, grad_buffer=4) == 16 * 800 - 4 * 300 + 4 * 900 + lanes
     # the ring stops at HALF_RING_BYTES (at least two buffers)
     assert half_ring_count(40, HALF_RING_BYTES // 20) == 10 and half_ring_count(40, HALF_RING_BYTES) == 2
-    # at the step the CPU lane converts into two buffers (cpu_convert), and keeps no shadows
+    # at the step the CPU lane converts into two buffers (cpu_convert), keeps no shadows, and reads DeepSpeed's fp32
+    # gradients
     step = ScheduleConfig(gpu_fraction=0.6, gpu_placement="first", upload="cpu_convert")
+    assert host_half_gradients(5, step) == frozenset()
     assert pinned_host_bytes(sizes, make_plan(5, step), step) == 18 * 900 + 2 * 200 * 2
 
 
@@ -169,7 +174,7 @@ def test_shadows_only_for_the_speculative_subgroups(count, shadowed):
     assert all(speculative_set(make_plan(5, sched, swing=k), sched) == shadowed for k in (1, 2))
     ring = 4 * 300 * 2
     assert backward_lane_host_bytes(sizes, plan, sched) == 12 * sum(sizes[i] for i in shadowed) + ring
-    assert pinned_host_bytes(sizes, plan, sched) == 18 * 900 + 12 * sum(sizes[i] for i in shadowed) + ring
+    assert pinned_host_bytes(sizes, plan, sched) == 18 * 900 - 4 * 300 + 12 * sum(sizes[i] for i in shadowed) + ring
     # no overlap: nothing speculates, whatever the count
     off = sched.model_copy(update={"overlap_backward": False})
     assert speculative_set(make_plan(5, off), off) == frozenset() and backward_lane_host_bytes(sizes, plan, off) == 0

@@ -7,9 +7,11 @@ read them here, so they cannot disagree.
 
 Host memory is what a large model runs out of first: a 7B model's offloaded state is ~18 bytes per parameter
 (fp32 params, gradients, exp_avg, exp_avg_sq and DeepSpeed's half-precision gradient buffer), ~113 GiB of a 125 GiB
-host. Measured on the H100 host with llama-7b (6.74B parameters, RSS at the first step): ZeRO-Offload with
-pin_memory false 115.0 GiB, dostune 114.7 GiB; ZeRO-Offload with pin_memory true was killed by the OOM killer,
-because DeepSpeed pins its gradient buffers by copying them into pinned allocations that torch's host allocator
+host. dostune's CPU lane during backward reads the half-precision gradients, so its subgroups hold no fp32 gradient
+buffer (14 bytes per parameter), and resident subgroups hold nothing on the host but that half-precision buffer.
+Measured on the H100 host with llama-7b (6.74B parameters, RSS at the first step, before dostune freed those
+buffers): ZeRO-Offload with pin_memory false 115.0 GiB, dostune 114.7 GiB; ZeRO-Offload with pin_memory true was
+killed by the OOM killer, because DeepSpeed pins its gradient buffers by copying them into pinned allocations that torch's host allocator
 rounds up to a power of two (83 GiB before the Adam states existed). dostune page-locks everything in place
 instead (pinned.py), so its configs leave DeepSpeed's pin_memory off."""
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
-from .schedule import (Plan, ScheduleConfig, kept_gradients, make_plan, streamed_gradients, twin_flow_gpu_subgroups,
-                       updates_in_backward)
+from .schedule import (Plan, ScheduleConfig, host_half_gradients, kept_gradients, make_plan, streamed_gradients,
+                       twin_flow_gpu_subgroups, updates_in_backward)
 
 STATE_BYTES = 12  # fp32 params, exp_avg, exp_avg_sq per element
 GRAD_BYTES = 4  # an fp32 gradient per element
@@ -134,9 +136,12 @@ def offloaded_host_bytes(sizes: Sequence[int], on_gpu: int, grad_buffer: int = H
 
 def pinned_host_bytes(sizes: Sequence[int], plan: Plan, sched: ScheduleConfig, grad_buffer: int = HALF_BYTES) -> int:
     """Host memory of dostune's optimizer on one rank, all of it page-locked in place (nothing rounded): DeepSpeed's
-    offloaded state (offloaded_host_bytes: none of the resident subgroups', which live on the GPU only) and the
+    offloaded state (offloaded_host_bytes: none of the resident subgroups', which live on the GPU only; no fp32
+    gradient buffer for the subgroups whose gradients stay in half precision, schedule.host_half_gradients) and the
     lanes' own buffers. Add HOST_BASE_BYTES for the process."""
-    return offloaded_host_bytes(sizes, len(plan.resident), grad_buffer) + lane_buffer_bytes(sizes, plan, sched)
+    half_only = sum(sizes[i] for i in host_half_gradients(len(sizes), sched))
+    return (offloaded_host_bytes(sizes, len(plan.resident), grad_buffer) - GRAD_BYTES * half_only
+            + lane_buffer_bytes(sizes, plan, sched))
 
 
 def _pinned_rounded(nbytes: int) -> int:

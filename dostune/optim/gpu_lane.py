@@ -120,7 +120,8 @@ class StreamedGpuLane:
         return done, ("h2d", i, t_in, done)
 
     def _states_and_grads_in(self, i: int, slot: _Slot, states: Buffers, early: Optional[tuple], trace: list) -> tuple:
-        """Likewise when the gradients come from DeepSpeed's fp32 host buffer: they stream in after the states."""
+        """Likewise when the gradients come from the host (GradRouting.streamed_grad): they stream in after the
+        states."""
         q, n = self._q, states.p.numel()
         with q.on("h2d"):
             q.wait("h2d", slot.ready)
@@ -130,7 +131,7 @@ class StreamedGpuLane:
             else:
                 t_in = q.record("h2d")
                 states.copy_from(self._host.live(i))
-            slot.grad[:n].copy_(self._host.grad(i), non_blocking=True)
+            slot.grad[:n].copy_(self._grads.streamed_grad(i), non_blocking=True)
             done = q.record("h2d")
         return done, ("h2d", i, t_in, done)
 

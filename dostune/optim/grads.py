@@ -11,7 +11,9 @@ keep them elsewhere instead, decided per subgroup whenever the lanes are planned
   is widened into it there, without DeepSpeed's temporary, and its accessors find it where they look;
 * CPU-lane subgroups updated during backward: the CPU lane reads the half-precision copy DeepSpeed's
   ``partition_grads`` already put in its pinned gradient-partition buffer ("half"), so DeepSpeed's fp32 conversion
-  and second copy to host memory (4 bytes per element over PCIe during backward) are skipped.
+  and second copy to host memory (4 bytes per element over PCIe during backward) are skipped. Their fp32 buffers
+  are freed at start-up (``release``): lent to the GPU lane by a swing, they stream in from the half-precision
+  copy too, and an update on the host outside the lane widens it first (``to_host``).
 
 Either way the gradient norm is recorded as DeepSpeed records it (see norms.py).
 """
@@ -73,6 +75,24 @@ class GradRouting:
         # Subgroups whose device buffer could not be allocated in this backward (GPU memory pressure): DeepSpeed's
         # own offload took their gradients instead, and the step updates them on the host (step.py).
         self.lost: set = set()
+        # Subgroups with no fp32 host gradient buffer (release): their gradients are in the half-precision buffer only.
+        self.released: frozenset = frozenset()
+        self._placeholder: dict[int, torch.Tensor] = {}  # each released subgroup's .grad
+        self._widened: set = set()  # released subgroups given a transient fp32 buffer for this step (to_host)
+
+    def release(self, subgroups: frozenset) -> frozenset:
+        """Free DeepSpeed's fp32 host gradient buffer of each of ``subgroups`` (schedule.host_half_gradients) whose
+        half-precision copy can be read in place, before any of it is pinned; returns those released. Each keeps, as
+        its ``.grad``, a zero-stride view of one zero: DeepSpeed's accessors read zeros from it (the value its fresh
+        buffer holds before a backward) and any write to it fails loudly rather than going nowhere."""
+        opt = self._opt
+        released = frozenset(i for i in subgroups if i in self.slices)
+        for i in released:
+            fp32 = opt.fp32_partitioned_groups_flat[i]
+            zero = torch.zeros(1, dtype=fp32.dtype, device=fp32.device)
+            self._placeholder[i] = fp32.grad = zero.expand(fp32.numel())
+        self.released = released
+        return released
 
     def param_ids(self, i: int) -> frozenset:
         """Subgroup i's parameters that hold data on this rank: the same test DeepSpeed's partition_grads applies
@@ -80,6 +100,11 @@ class GradRouting:
         opt = self._opt
         return frozenset(opt.get_param_id(p) for p in opt.fp16_groups[i]
                          if p.partition_numel() * opt._get_param_partition_rank(p) < p.ds_numel)
+
+    def streamed_grad(self, i: int) -> torch.Tensor:
+        """Where the GPU lane streams subgroup i's gradients in from: DeepSpeed's fp32 host buffer, or for a released
+        subgroup its half-precision copy (widened on the way, to the same values)."""
+        return self.host_grad(i) if i in self.released else self._opt.fp32_partitioned_groups_flat[i].grad
 
     def host_grad(self, i: int) -> torch.Tensor:
         """Subgroup i's gradients on the host as the CPU lane reads them during backward: DeepSpeed's pinned
@@ -102,6 +127,8 @@ class GradRouting:
             if i in in_backward:
                 self._keep[i] = self._keep_half if i in self.slices else None
                 self._final[i] = on_final
+            elif i in self.released:  # lent to the GPU lane, which streams them in from the half-precision copy
+                self._keep[i] = self._keep_half
         # Only fp16's overflow check reads the host copy of a GPU-lane subgroup's gradients (the GPU lane keeps its
         # own on the device): otherwise it is not made, which takes those copies (the last of backward, as the
         # GPU lane holds the first layers) off the stream backward's end waits for.
@@ -113,6 +140,9 @@ class GradRouting:
         again for the subgroups that lost theirs."""
         self.device.clear()
         self.home.clear()
+        for i in self._widened:
+            self._opt.fp32_partitioned_groups_flat[i].grad = self._placeholder[i]
+        self._widened.clear()
         for i in self.lost:
             self._keep[i] = self._keep_device
         self.lost.clear()
@@ -137,7 +167,14 @@ class GradRouting:
     def to_host(self, i: int) -> None:
         """Put GPU-lane subgroup i's gradients where an update on the host reads them, DeepSpeed's fp32 buffer, with
         the values its own offload writes there: the kept buffer holds the partition widened to fp32 (exact), so
-        it is copied as it is. A no-op when DeepSpeed's offload filled that buffer already."""
+        it is copied as it is. A released subgroup (one lent to the GPU lane) gets a transient fp32 buffer holding
+        its half-precision gradients widened, until ``clear``. A no-op when DeepSpeed's offload filled that buffer
+        already."""
+        if i in self.released:
+            self._dev.synchronize(self._opt.reduce_and_partition_stream)
+            self._opt.fp32_partitioned_groups_flat[i].grad = self.host_grad(i).float()
+            self._widened.add(i)
+            return
         if self._keep[i] != self._keep_device:
             return
         buf = self.device.pop(i)
@@ -242,7 +279,7 @@ class GradRouting:
         if not param.requires_grad:
             return
         i = self._subgroup(param)
-        if self.home.get(i) == "half":
+        if self.home.get(i) == "half" or i in self.released:
             raise ConfigError(
                 f"dostune: the gradient of subgroup {i} cannot be changed between backward and step: with "
                 f"overlap_backward its update already started during backward. Set \"overlap_backward\": false "

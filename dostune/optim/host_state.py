@@ -53,6 +53,8 @@ class HostStates:
     def __init__(self, opt, device: "Device", pins):
         self._opt, self._device, self._pins = opt, device, pins
         self.count = len(opt.fp16_groups)
+        # subgroups whose fp32 gradient buffer was released (grads.GradRouting.release): nothing of theirs to pin
+        self.released_grads: frozenset = frozenset()
 
     def _fp32(self, i: int) -> torch.Tensor:
         return self._opt.fp32_partitioned_groups_flat[i]
@@ -100,7 +102,8 @@ class HostStates:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(fp32.data)
             state["exp_avg_sq"] = torch.zeros_like(fp32.data)
-        for kind, t in (("param", fp32.data), ("grad", fp32.grad), ("exp_avg", state["exp_avg"]),
+        grad = None if i in self.released_grads else fp32.grad
+        for kind, t in (("param", fp32.data), ("grad", grad), ("exp_avg", state["exp_avg"]),
                         ("exp_avg_sq", state["exp_avg_sq"])):
             if t is not None:
                 self._pins.pin((i, kind), t)

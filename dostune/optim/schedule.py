@@ -252,6 +252,16 @@ def streamed_gradients(plan: Plan, grads_on_gpu: bool) -> frozenset:
     return streamed.difference(kept_gradients(plan, grads_on_gpu))
 
 
+def host_half_gradients(num_subgroups: int, sched: ScheduleConfig) -> frozenset:
+    """The subgroups whose gradients stay in DeepSpeed's half-precision gradient-partition buffer on the host, with no
+    fp32 host buffer of their own (4 bytes per element less host memory): with the CPU lane in backward, every
+    subgroup the CPU lane starts with, wherever a swing puts it (the CPU lane reads them there, and lent to the GPU
+    lane they stream in from there). Empty without overlap_backward: the CPU lane at the step reads DeepSpeed's fp32
+    buffer."""
+    plan = make_plan(num_subgroups, sched)
+    return frozenset(plan.cpu_order) if updates_in_backward(plan, sched) else frozenset()
+
+
 def swing_candidates(num_subgroups: int, sched: ScheduleConfig) -> list[int]:
     """The GPU-lane subgroups adaptive_swing may hand to the CPU lane, in the order it does."""
     return list(make_plan(num_subgroups, sched).swing_candidates)

@@ -32,7 +32,7 @@ from .host_state import HostStates
 from .norms import GradNorms
 from .pressure import MemoryPressure
 from .queues import Queues
-from .schedule import Plan, ScheduleConfig, make_plan, updates_in_backward
+from .schedule import Plan, ScheduleConfig, host_half_gradients, make_plan, updates_in_backward
 from .swing import AdaptiveSplit, FixedSplit
 from .timeline import StepClock
 from .uploads import deepspeed_upload
@@ -49,15 +49,18 @@ class InterleavedStep:
         self.device = device = pick_device()
         # Refused before anything is allocated, so that a config that cannot fit fails in seconds.
         check_staging_fits(opt, schedule, device.free_bytes())
-        check_host_fits(opt, schedule)
         self.queues = q = Queues(device, timing=schedule.trace)
         self.pins = device.pin_registry()
-        d = opt.optimizer.defaults
-        self.lane_adam = device.lane_adam(d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
-                                          opt.optimizer.adam_w_mode)
         self.host = HostStates(opt, device, self.pins)
         self.norms = GradNorms(opt, device)
         self.grads = GradRouting(opt, self.norms, device, schedule.grads_on_gpu)
+        # The CPU lane's subgroups need no fp32 gradient buffer when it reads their half-precision gradients: freed
+        # before the host memory check, which then finds that memory available again.
+        self.host.released_grads = self.grads.release(host_half_gradients(self.count, schedule))
+        check_host_fits(opt, schedule)
+        d = opt.optimizer.defaults
+        self.lane_adam = device.lane_adam(d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
+                                          opt.optimizer.adam_w_mode)
         self.adam = AdamSteps(opt, self.host, self.lane_adam)
         self.pressure = MemoryPressure()
         self.resident = ResidentGpuLane(self.host, q, self.lane_adam)
