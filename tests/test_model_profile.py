@@ -68,10 +68,18 @@ def test_the_gradient_norm_of_each_timed_iteration_against_the_clipping_it_ran_w
     assert prof.clipped(0.0) == (0, prof.iterations)  # off: nothing clips
 
 
-def test_a_profile_from_before_the_norms_reads_with_none():
+def test_a_profile_from_before_the_norms_reads_with_none(tmp_path):
+    import json
+
     from dostune.profile.paths import profiles_dir
 
-    old = load_model_profile(profiles_dir() / "h200-pcie5-gpt2-1.3b-b8-s1024.json")
+    # the shipped profile as schema 12 wrote it: without the norms and their threshold
+    data = json.loads((profiles_dir() / "h200-pcie5-gpt2-1.3b-b8-s1024.json").read_text())
+    data.update(schema_version=12)
+    for key in ("grad_norms", "clip_threshold"):
+        data.pop(key)
+    (tmp_path / "v12.json").write_text(json.dumps(data))
+    old = load_model_profile(tmp_path / "v12.json")
     assert old.schema_version == 12 and old.grad_norms == [] and old.clip_threshold is None
     assert old.clipped(1.0) is None
 
@@ -149,9 +157,10 @@ def test_schema_3_measures_the_models_coefficients(prof):
     assert any(n.startswith("1 timed iteration set aside, each run again: the hypervisor took 50.0%") for n in prof.notes)
     assert any(n.startswith("1 round of the backward probes set aside") for n in prof.notes)
     assert all(p.time_s.n == 2 for p in prof.phases.values())
-    # v8: the probes' rounds ran for 2 s (more than --iters of them), each round's readings kept in order
+    # v8: the probes' rounds ran for 2 s (as many as fit, at least --iters of them: on a loaded 2-core machine a
+    # round of this tiny model took 1 s), each round's readings kept in order
     rounds = prof.probe_rounds
-    assert prof.probe_seconds == 2.0 and len(rounds) > 2 and prof.backward_no_copy_s.n == len(rounds)
+    assert prof.probe_seconds == 2.0 and len(rounds) >= 2 and prof.backward_no_copy_s.n == len(rounds)
     assert rounds[0].t_s == 0 and [r.t_s for r in rounds] == sorted(r.t_s for r in rounds)
     assert rounds[-1].t_s > 0.5
     assert prof.probe_forward_s.n == len(rounds) and prof.backward_no_copy_s.median > 0

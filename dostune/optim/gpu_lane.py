@@ -131,7 +131,11 @@ class StreamedGpuLane:
             else:
                 t_in = q.record("h2d")
                 states.copy_from(self._host.live(i))
-            slot.grad[:n].copy_(self._grads.streamed_grad(i), non_blocking=True)
+            src, dst = self._grads.streamed_grad(i), slot.grad[:n]
+            if src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:  # half precision on the host: over PCIe as it is, widened on the device (exact)
+                dst.copy_(src.to(dst.device, non_blocking=True))
             done = q.record("h2d")
         return done, ("h2d", i, t_in, done)
 
