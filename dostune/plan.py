@@ -35,8 +35,8 @@ from .profile.timing import NullProgress, ProgressSink
 from .records import Record
 from .tune.limits import HostTooSmall, gpu_capacity_gib, least_host, usable_gpu_gib
 from .tune.record import TrialRecord
-from .tune.search import (TuneOptions, build_space, emit_config, ranked, resolve_profiles, run_settings, run_study,
-                          trial_record)
+from .tune.search import TuneOptions, build_space, emit_config, ranked, resolve_profiles, run_settings, trial_record
+from .tune.study import run_study
 from .tune.world import host_budget
 
 PLAN_SCHEMA_VERSION = 1

@@ -10,7 +10,8 @@ from dostune.perfmodel.backward import (BackwardInputs, copy_seconds, dostune_ba
 from dostune.perfmodel.coefficients import (FALLBACK_BACKWARD_SLOWDOWN, FALLBACK_LANE_BACKWARD_SLOWDOWN,
                                             FALLBACK_PROLOGUE_SHARE, FALLBACK_RELEASE_SHARE, Coefficients)
 from dostune.perfmodel.inputs import Cost, ModelInputs, NodeInputs, timed_backward
-from dostune.perfmodel.model import lane_busy_in_backward, predict
+from dostune.perfmodel.model import predict
+from dostune.perfmodel.step import lane_busy_in_backward
 from dostune.perfmodel.zero_offload import predict_zero_offload
 from dostune.profile.model_record import load_model_profile
 from dostune.profile.paths import shipped_profile

@@ -6,7 +6,8 @@ import torch
 from typer.testing import CliRunner
 
 from dostune.cli.app import app
-from dostune.profile.model import ModelProfileOptions, measure_model, plot_memory_timeline
+from dostune.profile.memory_figure import plot_memory_timeline
+from dostune.profile.model import ModelProfileOptions, measure_model
 from dostune.profile.model_record import load_model_profile
 from dostune.records import save_record
 

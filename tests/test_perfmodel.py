@@ -6,7 +6,8 @@ from dostune.optim.schedule import ScheduleConfig
 from dostune.perfmodel.coefficients import FALLBACK_LANE_BACKWARD_SLOWDOWN
 from dostune.perfmodel.inputs import Cost, ModelInputs, NodeInputs
 from dostune.perfmodel.memory import grad_ready_fractions, predict_memory
-from dostune.perfmodel.model import _advance, best_gpu_fraction, simulate_step
+from dostune.perfmodel.model import best_gpu_fraction
+from dostune.perfmodel.step import _advance, simulate_step
 from dostune.perfmodel.subgroups import subgroup_sizes
 from dostune.perfmodel.zero_offload import ds_offload_step_lanes
 
@@ -222,7 +223,7 @@ def test_resident_subgroups_stream_nothing_by_hand():
 
 
 def test_backward_gradient_copies_slow_the_lane_under_backward():
-    from dostune.perfmodel.model import gradient_copy_spans
+    from dostune.perfmodel.step import gradient_copy_spans
 
     n = node(contention=2.0)  # 2x slower under 80 GB/s of copies
     # subgroup 1 final 10% into a 2 s backward, subgroup 0 at 60%: each one's bytes stream up to its moment

@@ -9,7 +9,8 @@ from dostune.perfmodel.backward import dostune_grad_bytes
 from dostune.perfmodel.coefficients import Coefficients, StepShape
 from dostune.perfmodel.inputs import ModelInputs
 from dostune.perfmodel.lanes import lent_subgroups, speculating_subgroups
-from dostune.perfmodel.model import predict, simulated_lane_times, simulate_step
+from dostune.perfmodel.model import predict
+from dostune.perfmodel.step import simulated_lane_times, simulate_step
 from dostune.profile.paths import profiles_dir
 from test_perfmodel import node
 

@@ -8,9 +8,11 @@ from typer.testing import CliRunner
 from dostune.cli.app import app
 from dostune.errors import DostuneError, ProfileError
 from dostune.optim.schedule import ScheduleConfig
-from dostune.perfmodel.model import best_gpu_fraction, gpu_count_for_share, simulate_step
+from dostune.perfmodel.model import best_gpu_fraction, gpu_count_for_share
+from dostune.perfmodel.step import simulate_step
 from dostune.profile.paths import shipped_profile
-from dostune.tune.search import TuneOptions, build_space, ranked, resolve_profiles, run_study, run_tune
+from dostune.tune.search import TuneOptions, build_space, ranked, resolve_profiles, run_tune
+from dostune.tune.study import run_study
 from dostune.tune.space import GPU_SHARE, PLACEMENTS, Candidate, brute_force
 from dostune.profile.timing import NullProgress
 

@@ -196,7 +196,8 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
     from ..models.registry import resolve_model
     from ..perfmodel.world import World, rank
     from ..profile.timing import NullProgress
-    from ..profile.model import ModelProfileOptions, measure_model, model_profile_name, plot_memory_timeline
+    from ..profile.memory_figure import plot_memory_timeline
+    from ..profile.model import ModelProfileOptions, measure_model, model_profile_name
 
     opts = ModelProfileOptions.of_mode(mode, model=model, micro_batch=micro_batch, seq=seq, precision=dtype,
                                        sub_group_size=sub_group_size, iters=iters, node=node,

@@ -16,8 +16,9 @@ from ..optim.schedule import gpu_count
 from ..profile.identity import cuda_available
 from ..tune.limits import GPU_HEADROOM_SHARE
 from ..tune.regime import NAMES
-from ..tune.search import SAMPLERS, TuneOptions, check_options, run_tune, trial_record
+from ..tune.search import TuneOptions, check_options, run_tune, trial_record
 from ..tune.search import output_dir as tune_output_dir
+from ..tune.study import SAMPLERS
 from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
                      quiet_stdout, stop_code, stop_signal, stop_signals)
 

@@ -1,17 +1,16 @@
 """`dostune profile --model`: a model's side of the picture under DeepSpeed ZeRO-3 with CPU optimizer offload.
 
-Measures forward / backward / step times, a memory timeline sampled at module boundaries (forward hooks,
-and gradient hooks in backward), when each optimizer subgroup's gradients become final during backward,
-PCIe traffic per phase from NVML's counters, DeepSpeed's step by part (step_parts.py), and after the timed
-iterations backward without the gradient copies, alone and beside dostune's CPU-lane kernel (backward_probes.py); then
-the step timed again in a second window (model_record.StepWindow).
+Measures forward / backward / step times, a memory timeline sampled at module boundaries, when each optimizer
+subgroup's gradients become final during backward, PCIe traffic per phase (the last three watched by
+iteration_observers.py), DeepSpeed's step by part (step_parts.py), and after the timed iterations backward without
+the gradient copies, alone and beside dostune's CPU-lane kernel (backward_probes.py); then the step timed again in a
+second window (model_record.StepWindow). memory_figure.py draws the memory timeline.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -28,13 +27,13 @@ from ..models.registry import loss_of, resolve_model
 from ..optim.footprint import available_host_bytes
 from ..perfmodel.subgroups import param_numels
 from ..perfmodel.world import World, gather_ranks
-from ..records import save_figure
 from ..stats import Stat
 from . import identity
 from .backward_probes import measure_backward_probes
+from .iteration_observers import GradReadiness, MemoryReader, MemoryRecorder, PcieSampler, install_memory_hooks
 from .step_lane import measure_step_lane
-from .model_record import (MODEL_SCHEMA_VERSION, MemorySample, ModelMode, ModelProfile, PcieTraffic, PhaseProfile,
-                           RankProfile, StepWindow, SubgroupProfile, WorldRecord, slowest_phases)
+from .model_record import (MODEL_SCHEMA_VERSION, ModelMode, ModelProfile, PhaseProfile, RankProfile, StepWindow,
+                           SubgroupProfile, WorldRecord, slowest_phases)
 from .step_parts import StepParts
 from .timing import NullProgress, ProgressSink, iteration_phases, sync_device
 
@@ -120,131 +119,6 @@ class ModelProfileOptions:
             raise DostuneError(f"lane_elements must be positive, got {self.lane_elements}")
 
 
-class _Memory:
-    """Memory readings: the CUDA caching allocator on a GPU, the process's RSS on a CPU machine."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        if not cuda:
-            import psutil
-
-            self._proc = psutil.Process()
-
-    def read(self) -> tuple[float, float]:
-        if self.cuda:
-            return torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB
-        rss = self._proc.memory_info().rss / GiB
-        return rss, rss
-
-
-class _Recorder:
-    """Collects labelled memory samples for the iteration being recorded."""
-
-    def __init__(self, mem: _Memory):
-        self.mem = mem
-        self.active = False
-        self.phase = "fwd"
-        self.t0 = 0.0
-        self.samples: list[MemorySample] = []
-        self.lock = threading.Lock()
-
-    def start(self):
-        self.samples, self.t0, self.active = [], time.perf_counter(), True
-
-    def sample(self, where: str):
-        if not self.active:
-            return
-        a, r = self.mem.read()
-        with self.lock:
-            self.samples.append(MemorySample(t=time.perf_counter() - self.t0, phase=self.phase, allocated_gib=round(a, 4),
-                                             reserved_gib=round(r, 4), where=where))
-
-
-def _install_memory_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
-    handles = []
-    for name, mod in model.named_modules():
-        if not any(True for _ in mod.parameters(recurse=False)):
-            continue
-        label = name or "<model>"
-        handles.append(mod.register_forward_pre_hook(lambda *_a, _l=label: rec.sample(f"{_l}:enter")))
-        handles.append(mod.register_forward_hook(lambda *_a, _l=label: rec.sample(f"{_l}:exit")))
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(lambda _p, _l=name: rec.sample(f"{_l}:grad")))
-    return handles
-
-
-class _GradReadiness:
-    """Wraps this optimizer instance's ``partition_grads`` (profiling only) to time when each parameter's
-    gradient is partitioned, i.e. final for the step."""
-
-    def __init__(self, opt, cuda: bool):
-        self.opt, self.cuda, self.marks, self.start = opt, cuda, {}, None
-        self._orig = opt.partition_grads
-        opt.partition_grads = self._wrapped
-
-    def _now(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def begin(self):
-        self.marks, self.start = {}, self._now()
-
-    def _wrapped(self, params_to_release, grad_partitions):
-        out = self._orig(params_to_release, grad_partitions)
-        if self.start is not None:
-            now = self._now()
-            for p in params_to_release:
-                self.marks[p.ds_id] = now
-        return out
-
-    def restore(self):
-        self.opt.partition_grads = self._orig
-
-    def per_subgroup(self) -> list[Optional[float]]:
-        def secs(m):
-            return self.start.elapsed_time(m) / 1e3 if self.cuda else m - self.start
-
-        out = []
-        for group in self.opt.fp16_groups:
-            ts = [secs(self.marks[p.ds_id]) for p in group if p.ds_id in self.marks]
-            out.append(max(ts) if ts else None)
-        return out
-
-
-class _PcieSampler(threading.Thread):
-    def __init__(self, device: int, phase_of):
-        super().__init__(daemon=True)
-        self.phase_of, self.stop_flag, self.samples = phase_of, threading.Event(), []
-        self.device = device
-
-    def run(self):
-        with identity.nvml() as nv:
-            if nv is None:
-                return
-            try:
-                h = identity.nvml_handle(nv, self.device)
-                while not self.stop_flag.is_set():
-                    tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)  # KB/s, 20 ms window
-                    rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
-                    self.samples.append((self.phase_of(), tx * 1e3 / 1e9, rx * 1e3 / 1e9))
-                    time.sleep(0.02)
-            except nv.NVMLError:
-                return
-
-    def summary(self) -> Optional[dict[str, PcieTraffic]]:
-        out = {}
-        for ph in ("fwd", "bwd", "step"):
-            s = [(tx, rx) for p, tx, rx in self.samples if p == ph]
-            if s:
-                out[ph] = PcieTraffic(tx_gbps=round(sum(x for x, _ in s) / len(s), 3),
-                                      rx_gbps=round(sum(y for _, y in s) / len(s), 3), samples=len(s))
-        return out or None
-
-
 def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = None,
                   command: Optional[str] = None) -> ModelProfile:
     from ..train.engine import build_engine, free_engine_memory
@@ -274,12 +148,12 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
     progress.start(f"{opts.model}: building the ZeRO-3 offload engine", 1)
     engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=False)
     progress.advance()
-    mem = _Memory(cuda)
-    rec = _Recorder(mem)
-    handles = _install_memory_hooks(engine.module, rec)
-    ready = _GradReadiness(engine.optimizer, cuda)
+    mem = MemoryReader(cuda)
+    rec = MemoryRecorder(mem)
+    handles = install_memory_hooks(engine.module, rec)
+    ready = GradReadiness(engine.optimizer, cuda)
     overhead = StepParts(engine.optimizer)
-    pcie = _PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
+    pcie = PcieSampler(torch.cuda.current_device(), lambda: rec.phase) if cuda else None
     if pcie:
         pcie.start()
     peaks = {ph: 0.0 for ph in ("fwd", "bwd", "step")}
@@ -480,26 +354,3 @@ def model_profile_name(node: str, model: str, micro_batch: int, seq: int, world:
     NODE-MODEL-bB-sS-MxN.json for M nodes of N GPUs."""
     suffix = f"-{world.nodes}x{world.gpus_per_node}" if world.size > 1 else ""
     return f"{node}-{model}-b{micro_batch}-s{seq}{suffix}.json"
-
-
-def plot_memory_timeline(p: ModelProfile, path) -> "os.PathLike":
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tl = p.memory_timeline
-    fig, ax = plt.subplots(figsize=(11, 4))
-    colors = {"fwd": "#cfe8ff", "bwd": "#ffe0c7", "step": "#d9f2d0"}
-    for ph in ("fwd", "bwd", "step"):
-        ts = [s.t for s in tl if s.phase == ph]
-        if ts:
-            ax.axvspan(min(ts), max(ts), color=colors[ph], alpha=0.8, label=f"{ph} ({max(ts) - min(ts):.3f} s)")
-    ax.plot([s.t for s in tl], [s.allocated_gib for s in tl], color="black", lw=1.2, label="allocated")
-    ax.plot([s.t for s in tl], [s.reserved_gib for s in tl], color="gray", lw=1, ls="--", label="reserved")
-    ax.set_xlabel("seconds from the start of the iteration")
-    ax.set_ylabel("GiB" if p.device == "cuda" else "GiB (process RSS)")
-    ax.set_title(f"{p.model}, micro-batch {p.micro_batch}, seq {p.seq}, {p.precision}: memory over one iteration "
-                 f"({p.node})")
-    ax.legend(loc="upper right", fontsize=8)
-    return save_figure(fig, path)
