@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from dostune.cli.app import app
 from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config
+from dostune.optim.footprint import available_host_bytes
 from dostune.optim.schedule import ScheduleConfig
 from dostune.profile.paths import shipped_profile
 
@@ -265,3 +266,16 @@ def test_profile_refuses_to_overwrite_a_shipped_profile_and_says_how_to_keep_it(
     assert r.exit_code == 2 and "it is a profile dostune ships" in lines[0] and "--name" in lines[1], r.output
     assert node.read_bytes() == shipped_profile().read_bytes()
 
+
+
+@pytest.mark.skipif((available_host_bytes() or 0) > 200 * 2**30, reason="this host could hold llama-13b's ZeRO-Offload")
+def test_a_model_profile_whose_zero_offload_the_host_cannot_hold_stops_in_one_line(tmp_path):
+    """The model profile measures ZeRO-Offload: for llama-13b (about 220 GiB of host memory pageable) on a smaller
+    host it stops before building anything, says why and where to profile instead, and writes nothing."""
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(app, ["profile", "--model", "llama-13b", "--micro-batch", "1", "--seq", "128",
+                                 "--output", str(out)])
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 2 and "Traceback" not in r.output, r.output
+    assert "model profile measures ZeRO-Offload's iterations, which this host cannot hold" in lines[0]
+    assert "needs about 220" in lines[0] and lines[1].startswith("hint: profile it where") and not out.exists()

@@ -140,8 +140,14 @@ def measure_model(opts: ModelProfileOptions, progress: Optional[ProgressSink] = 
                               extra_zero={"reduce_bucket_size": opts.reduce_bucket_size})
     # ZeRO-Offload as this host's memory holds it (without pin_memory where its pinned copies would not fit: the
     # OOM killer would end the profile otherwise); a model whose state cannot fit at all stops here, in one line
-    offload, host_note = fit_host_memory("zero-offload", offload, param_numels(spec), opts.precision,
-                                         available_host_bytes())
+    try:
+        offload, host_note = fit_host_memory("zero-offload", offload, param_numels(spec), opts.precision,
+                                             available_host_bytes())
+    except DostuneError as e:
+        raise DostuneError(f"{opts.model}'s model profile measures ZeRO-Offload's iterations, which this host cannot "
+                           f"hold: {str(e).removeprefix('not run: ')}",
+                           hint="profile it where ZeRO-Offload's state fits (a node with more host memory, or spread "
+                                "over several nodes); `dostune plan --model MODEL` shows what each method needs") from e
     if host_note:
         notes.append(f"ZeRO-Offload measured with {host_note}")
     cfg = deepspeed_config(train, offload)
