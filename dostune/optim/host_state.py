@@ -50,11 +50,11 @@ class HostStates:
     """DeepSpeed's copies of every subgroup's state, those in host memory page-locked so that the lanes can copy
     them asynchronously, and the one place that swaps in new ones."""
 
-    def __init__(self, opt, device: "Device", pins):
+    def __init__(self, opt, device: "Device", pins, released_grads: frozenset = frozenset()):
         self._opt, self._device, self._pins = opt, device, pins
         self.count = len(opt.fp16_groups)
-        # subgroups whose fp32 gradient buffer was released (grads.GradRouting.release): nothing of theirs to pin
-        self.released_grads: frozenset = frozenset()
+        # subgroups whose fp32 gradient buffer was released (grads.GradRouting.release): no gradients of theirs to pin
+        self._released_grads = released_grads
 
     def _fp32(self, i: int) -> torch.Tensor:
         return self._opt.fp32_partitioned_groups_flat[i]
@@ -102,7 +102,7 @@ class HostStates:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(fp32.data)
             state["exp_avg_sq"] = torch.zeros_like(fp32.data)
-        grad = None if i in self.released_grads else fp32.grad
+        grad = None if i in self._released_grads else fp32.grad
         for kind, t in (("param", fp32.data), ("grad", grad), ("exp_avg", state["exp_avg"]),
                         ("exp_avg_sq", state["exp_avg_sq"])):
             if t is not None:

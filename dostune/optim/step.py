@@ -51,13 +51,13 @@ class InterleavedStep:
         check_staging_fits(opt, schedule, device.free_bytes())
         self.queues = q = Queues(device, timing=schedule.trace)
         self.pins = device.pin_registry()
-        self.host = HostStates(opt, device, self.pins)
         self.norms = GradNorms(opt, device)
         self.grads = GradRouting(opt, self.norms, device, schedule.grads_on_gpu)
         # The CPU lane's subgroups need no fp32 gradient buffer when it reads their half-precision gradients: freed
-        # before the host memory check, which then finds that memory available again.
-        self.host.released_grads = self.grads.release(host_half_gradients(self.count, schedule))
+        # before the host memory check, which then finds that memory available again, and before anything is pinned.
+        released = self.grads.release(host_half_gradients(self.count, schedule))
         check_host_fits(opt, schedule)
+        self.host = HostStates(opt, device, self.pins, released_grads=released)
         d = opt.optimizer.defaults
         self.lane_adam = device.lane_adam(d["betas"][0], d["betas"][1], d["lr"], d["eps"], d["weight_decay"],
                                           opt.optimizer.adam_w_mode)
