@@ -250,8 +250,11 @@ def memory_plan(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> t
         estimated.append(f"GPU peaks (marked >=): no model profile of {opts.model} on {node_p.name}{where}, so each "
                          "is what the method keeps on the GPU between steps: the "
                          f"half-precision parameter partition ({partition_gib:.1f} GiB a rank) and the optimizer state "
-                         "it keeps there; activations and gathered layers come on top. Measure them on the GPU node: "
-                         f"dostune profile --model {opts.model}{ac}")
+                         "it keeps there; activations and gathered layers come on top. " + (
+                             f"Measure them on the GPU node: dostune profile --model {opts.model}{ac}"
+                             if any(r.fits for r in rows if r.method.startswith("zero-offload")) else
+                             "A model profile, which measures ZeRO-Offload's iterations, cannot run on this node: "
+                             "profile it where ZeRO-Offload's state fits (more host memory, or several nodes)"))
     else:
         estimated.append(f"GPU peaks: ZeRO-Offload's as the model profile measured it ({m.offload_peak_gib:.1f} GiB); "
                          "Twin-Flow's that plus the fp32 params, gradients and Adam states it keeps on the GPU; "

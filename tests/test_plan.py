@@ -91,7 +91,13 @@ def test_a_model_without_a_model_profile_is_planned_from_estimates_that_say_so()
         assert any("none of the 4 schedules searched met the memory limits" in n for n in plan.notes)
     said = " ".join(plan.estimated)
     assert "no model profile of llama-13b on h200-pcie5" in said and "activations" in said
-    assert "dostune profile --model llama-13b --activation-checkpointing" in said
+    # a model profile measures ZeRO-Offload, which this host cannot hold: the plan does not send the user to make one
+    assert "cannot run on this node" in said and "where ZeRO-Offload's state fits" in said
+    assert "dostune profile --model" not in said
+    small, _ = memory_plan(TuneOptions(model="llama-1.1b", profile=shipped_profile(H200), activation_checkpointing=True,
+                                       trials=4))
+    assert "Measure them on the GPU node: dostune profile --model llama-1.1b --activation-checkpointing" in " ".join(
+        small.estimated)
 
 
 def test_the_node_holds_every_ranks_host_memory():

@@ -281,7 +281,11 @@ class Space:
         (``settled``) is not searched in that trial."""
         out = {"sub_group_size": list(self.sub_group_sizes), "gpu_placement": list(PLACEMENTS),
                "staging_buffers": list(BUFFERS), "upload": list(UPLOADS), "grads_on_gpu": [True, False]}
-        if self.overlap_possible:
+        if self.overlap_possible or self.model.bwd_s is None:
+            # Without a model profile (the step alone is searched) an overlap_backward schedule is predicted with its
+            # CPU lane wholly in the step: what it saves there is its host memory (no fp32 gradients on the CPU lane,
+            # speculation only as far as the host holds it), which is what a model too large for ZeRO-Offload's host
+            # memory needs.
             out["overlap_backward"] = [False, True]
         out["cpu_threads"] = list(self.threads)
         return out

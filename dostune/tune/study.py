@@ -37,9 +37,10 @@ def _sampler(name: str, seed: int):
 # Bumped whenever the searched parameters or their scoring change (2: overlap_backward; 3: resident subgroups
 # filling the peak-memory allowance, and the step prefetch in the model; 4: one rank of a world, and the node's
 # pinned host memory as a constraint; 5: gpu_placement, and dostune's own backward in the model; 6: overlap_backward
-# schedules at the lane probe's threads alone; 7: the regime scored, clipping or not), so that a stored study from an
-# older search is not resumed as if its trials had explored the new space.
-SEARCH_SPACE_VERSION = 7
+# schedules at the lane probe's threads alone; 7: the regime scored, clipping or not; 8: overlap_backward searched
+# without a model profile too), so that a stored study from an older search is not resumed as if its trials had
+# explored the new space.
+SEARCH_SPACE_VERSION = 8
 
 
 def problem_key(node_p: NodeProfile, model_p: Optional[ModelProfile], opts: TuneOptions, space: Space) -> str:
