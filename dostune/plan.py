@@ -30,7 +30,6 @@ from .perfmodel.inputs import ModelInputs
 from .perfmodel.memory import GiB, predict_memory
 from .perfmodel.subgroups import param_numels, subgroup_sizes
 from .perfmodel.world import World, host_memory_gib
-from .profile.model_record import ModelProfile
 from .profile.timing import NullProgress, ProgressSink
 from .records import Record
 from .tune.limits import HostTooSmall, gpu_capacity_gib, least_host, usable_gpu_gib
@@ -210,11 +209,6 @@ def _nearest(space, study) -> Optional[TrialRecord]:
     return best[1] if best else None
 
 
-def measured_with_checkpointing(model_p: ModelProfile) -> bool:
-    """Whether the model profile ran with activation checkpointing (its notes say so)."""
-    return any(n.startswith("activation checkpointing on") for n in model_p.notes)
-
-
 def memory_plan(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tuple[MemoryPlan, Optional[dict]]:
     """The memory plan of ``opts``' model on its node and world, and the DeepSpeed config of dostune's pick (None
     when it does not fit). Nothing is written."""
@@ -259,11 +253,11 @@ def memory_plan(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> t
         estimated.append(f"GPU peaks: ZeRO-Offload's as the model profile measured it ({m.offload_peak_gib:.1f} GiB); "
                          "Twin-Flow's that plus the fp32 params, gradients and Adam states it keeps on the GPU; "
                          "dostune's predicted by the performance model")
-        if opts.activation_checkpointing and not measured_with_checkpointing(model_p):
+        if opts.activation_checkpointing and not model_p.activation_checkpointing:
             opts.notes.append(f"{model_path.name} was measured without activation checkpointing: with it the GPU "
                               "peaks are lower than shown; profile the model with --activation-checkpointing for "
                               "them")
-        elif measured_with_checkpointing(model_p) and not opts.activation_checkpointing:
+        elif model_p.activation_checkpointing and not opts.activation_checkpointing:
             opts.notes.append(f"{model_path.name} was measured with activation checkpointing: without it the "
                               "activations take more GPU memory than shown; pass --activation-checkpointing, or "
                               "profile the model without it")

@@ -275,6 +275,11 @@ class ModelProfile(Record):
         return clipped_count(self.grad_norms, threshold)
 
     @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the profile ran with activation checkpointing (its notes say so)."""
+        return any(n.startswith("activation checkpointing on") for n in self.notes)
+
+    @property
     def offload_pinned(self) -> bool:
         """Whether ZeRO-Offload ran with page-locked host buffers: the v3 field, else (older profiles) the note that
         the model profile writes when it ran it without ("ZeRO-Offload measured with pin_memory false: ...")."""

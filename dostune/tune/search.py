@@ -308,10 +308,10 @@ def run_tune(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> tupl
     check_options(opts)
     space, node_p, node_path, model_p, model_path, m = build_space(opts)
     micro_batch, precision = run_settings(opts, model_p)
-    if opts.activation_checkpointing:
-        opts.notes.append("the emitted config checkpoints every block: the predicted times and memory hold if the "
-                          "model profile was measured that way too (dostune profile --model ... "
-                          "--activation-checkpointing)")
+    if opts.activation_checkpointing and model_p is not None and not model_p.activation_checkpointing:
+        opts.notes.append(f"the emitted config checkpoints every block, but {model_path.name} was measured without "
+                          "it: the predicted times and GPU memory are those of a run without checkpointing; profile "
+                          "the model with --activation-checkpointing for them")
     out_dir = output_dir(opts)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').as_posix()}"
