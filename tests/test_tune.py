@@ -170,6 +170,20 @@ def test_emitted_config_is_valid_deepspeed(tmp_path):
     assert sched.expected_subgroups == res.best.subgroups
 
 
+def test_checkpointing_is_noted_only_against_a_model_profile_measured_without_it(tmp_path):
+    # the shipped gpt2-1.3b profile ran without activation checkpointing: its times are not the checkpointed run's
+    res, cfg, _ = run_tune(TuneOptions(model="gpt2-1.3b", profile=shipped_profile(), trials=4, output_dir=tmp_path / "a",
+                                       activation_checkpointing=True))
+    assert "activation_checkpointing" in cfg
+    assert any("checkpoints every block, but h200-pcie5-gpt2-1.3b-b8-s1024.json was measured without it" in n
+               for n in res.notes)
+    # no model profile (a budget instead): its own note says the times are unknown, and nothing about checkpointing
+    res, _, _ = run_tune(TuneOptions(model="llama-1.1b", profile=shipped_profile(), trials=4, output_dir=tmp_path / "b",
+                                     activation_checkpointing=True, gpu_memory_budget="20"))
+    assert any(n.startswith("no model profile") for n in res.notes)
+    assert not any("checkpoint" in n for n in res.notes)
+
+
 def test_plain_deepspeed_accepts_the_dostune_section():
     """DeepSpeed ignores the top-level 'dostune' key: the emitted config runs under plain deepspeed.initialize."""
     from dostune.dsconfig import OffloadSettings, TrainSettings, deepspeed_config
