@@ -30,6 +30,7 @@ def test_large_presets_match_the_analytic_count_on_meta(name):
 def test_reference_shapes():
     assert count_parameters(PRESETS["gpt2-1.3b"]) == 1_313_722_368  # 1.31B, the reference runs' shape
     assert 2.6e9 < count_parameters(PRESETS["gpt2-2.7b"]) < 2.7e9
+    assert 3.4e9 < count_parameters(PRESETS["llama-3b"]) < 3.45e9
     assert 6.5e9 < count_parameters(PRESETS["llama-7b"]) < 6.8e9
     assert 12.8e9 < count_parameters(PRESETS["llama-13b"]) < 13.2e9
     assert 0.12e9 < count_parameters(PRESETS["gpt2-125m"]) < 0.13e9

@@ -42,6 +42,9 @@ PRESETS: dict[str, DecoderConfig] = {
     # LLaMA family
     "llama-1.1b": DecoderConfig("llama", layers=22, hidden=2048, heads=32, vocab=32000, max_positions=2048,
                                 ffn=5632, kv_heads=4),
+    # OpenLLaMA 3B's shape (3.43B): the size that trains on one GPU without offload only on the largest ones
+    "llama-3b": DecoderConfig("llama", layers=26, hidden=3200, heads=32, vocab=32000, max_positions=2048,
+                              ffn=8640),
     "llama-7b": DecoderConfig("llama", layers=32, hidden=4096, heads=32, vocab=32000, max_positions=4096,
                               ffn=11008),
     "llama-13b": DecoderConfig("llama", layers=40, hidden=5120, heads=40, vocab=32000, max_positions=4096,
