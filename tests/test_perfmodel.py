@@ -255,9 +255,18 @@ def test_host_to_device_copies_slow_under_the_cpu_lane():
     def gpu_inputs(p):
         return sum(x.end - x.start for x in p.spans if x.lane == "h2d")
 
+    # the CPU lane computes all the while the GPU lane's inputs come in: each takes 1/0.8 as long
+    heavy_cpu = ScheduleConfig(gpu_fraction=0.25, staging_buffers=2, cpu_threads=16)
+    assert gpu_inputs(simulate_step(sizes, heavy_cpu, loaded)) == pytest.approx(
+        gpu_inputs(simulate_step(sizes, heavy_cpu, idle)) / 0.8)
+    # once the CPU lane is done, the rest of an input comes in at the idle host's rate
     mixed = ScheduleConfig(gpu_fraction=0.5, staging_buffers=2, cpu_threads=16)
-    assert gpu_inputs(simulate_step(sizes, mixed, loaded)) == pytest.approx(
-        gpu_inputs(simulate_step(sizes, mixed, idle)) / 0.8)
+    fast, slow = simulate_step(sizes, mixed, idle), simulate_step(sizes, mixed, loaded)
+    cpu_end = max(x.end for x in slow.spans if x.lane == "cpu")
+    last_in = max((x for x in slow.spans if x.lane == "h2d"), key=lambda x: x.end)
+    alone = next(x.end - x.start for x in fast.spans if x.lane == "h2d" and x.subgroup == last_in.subgroup)
+    assert last_in.start < cpu_end < last_in.end
+    assert last_in.end == pytest.approx(cpu_end + alone - (cpu_end - last_in.start) * 0.8)
     # no CPU lane, nothing computing on the host: the copies run at the idle host's rates
     gpu_only = ScheduleConfig(gpu_fraction=1.0, staging_buffers=2)
     assert simulate_step(sizes, gpu_only, loaded).lanes_s == pytest.approx(simulate_step(sizes, gpu_only, idle).lanes_s)

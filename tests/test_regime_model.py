@@ -129,3 +129,24 @@ def test_clip_leaves_backward_without_the_lane_and_the_step_with_all_of_it(gpt2_
     plain = ScheduleConfig(gpu_fraction=0.4)
     assert gpt2_space.predict_schedule(100_000_000, plain, "clip").iter_s == \
         gpt2_space.predict_schedule(100_000_000, plain).iter_s
+
+
+def test_cpu_lane_uploads_queue_behind_the_gpu_lanes_own_inputs_not_the_lent_ones():
+    """The H2D engine serves copies in submission order: the CPU lane's uploads wait for the GPU lane's own inputs,
+    but go up beside those of a subgroup lent to the GPU lane (a kernel widens its half-precision gradients between
+    its copies on the same stream)."""
+    sched = ScheduleConfig(gpu_fraction=0.25, cpu_threads=16, overlap_backward=True, adaptive_swing=2,
+                           staging_buffers=2)
+    plan = make_plan(4, sched, swing=-1)
+    assert lent_subgroups(plan, sched) == frozenset({1})
+    step = simulate_step([GIGA] * 4, sched, node(), backward_s=2.0, ready_fraction=[1.0, 0.75, 0.5, 0.25],
+                         plan=plan, regime="clip")
+    inputs = {x.subgroup: x for x in step.spans if x.lane == "h2d"}
+    ups = [x for x in step.spans if x.lane == "up"]
+    assert ups and all(x.start >= inputs[0].end for x in ups)
+    assert ups[0].start < inputs[1].end  # up while the lent subgroup's inputs come in
+    # as tuned, nothing lent: every upload waits for all of the GPU lane's inputs
+    tuned = simulate_step([GIGA] * 4, sched, node(), backward_s=2.0, ready_fraction=[1.0, 0.75, 0.5, 0.25],
+                          regime="clip")
+    last_in = max(x.end for x in tuned.spans if x.lane == "h2d")
+    assert all(x.start >= last_in for x in tuned.spans if x.lane == "up")

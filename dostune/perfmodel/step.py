@@ -1,8 +1,9 @@
 """The optimizer step simulated as dostune's optimizer runs it (equations in docs/performance-model.md).
 
 The GPU lane's transfers queue on the H2D and D2H copy engines in order (the H2D engine serves copies in submission
-order, so CPU-lane uploads wait behind the GPU lane's inputs, as traced on the H100), the GPU kernel follows each
-input, the CPU lane runs subgroup after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload
+order, so CPU-lane uploads wait behind the GPU lane's own inputs, as traced on the H100, though not behind those of
+subgroups lent to it, as traced on the H200), its inputs slowed while the CPU lane computes, the GPU kernel follows
+each input, the CPU lane runs subgroup after subgroup, slowed while DMA runs, and each CPU-updated subgroup's upload
 follows its update. With ``overlap_backward`` the CPU lane's worker starts under backward where its speculation
 succeeds (the ``no_clip`` regime), or in the step where clipping stops it (``clip``, lanes.py). model.py puts the
 simulated step beside backward to predict the iteration; every coefficient comes from the profiles (coefficients.py).
@@ -154,45 +155,62 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         return STATE_BYTES + (0 if sched.grads_on_gpu and i not in lent else GRAD_BYTES)
 
     overlap = bool(sched.overlap_backward and backward_s and ready_fraction is not None)
-    # Host-to-device copies read host memory, which the CPU lane streams through while it computes: with a CPU lane
-    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on two H100 hosts a step's GPU-lane
-    # inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU.
-    under_cpu = inp.h2d_under_cpu if cpu else 1.0
-    h2d_alone, h2d_duplex = inp.h2d.at_rate(under_cpu), inp.h2d_duplex.at_rate(under_cpu)
     in_backward = overlap and regime == "no_clip"  # whether the worker updates anything during backward
     bwd = backward_s if in_backward else 0.0
     prologue = shape.prologue_share * overhead_s
     release = min(shape.release_share, shape.prologue_share) * overhead_s
+    # Host-to-device copies read host memory, which the CPU lane streams through while it computes: while it does
+    # they run at the rate the node profile measured under CPU Adam (h2d_under_cpu); on two H100 hosts a step's GPU-lane
+    # inputs came in at 37-42 GB/s against the 40 and 45 GB/s their profiles measured beside an idle CPU. Where the CPU
+    # lane waits (for its upload ring, in clip) they run at the idle rate: on the H200 a llama 3B step's GPU-lane
+    # inputs came in at 53 GB/s while the CPU lane stood, 39 GB/s while it computed.
+    h2d_alone, h2d_duplex = inp.h2d, inp.h2d_duplex
+    under_cpu = inp.h2d_under_cpu
+    # the CPU lane's own uploads follow its updates, beside the next one
+    up_alone, up_duplex = (h2d_alone.at_rate(under_cpu), h2d_duplex.at_rate(under_cpu)) if cpu else (h2d_alone,
+                                                                                                     h2d_duplex)
 
-    # GPU lane: independent of the CPU lane except through the copy engines' queues.
-    spans: list[SimSpan] = []
-    comp_free = d2h_free = -release
-    for i in plan.resident:  # nothing to copy: their kernels go first
-        t = inp.gpu_adam.t(sizes[i])
-        spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
-        comp_free += t
-    h2d_free = -prologue
-    d2h_end: list[float] = []
-    streamed = [gs.subgroup for gs in plan.gpu_slots]
-    for n, i in enumerate(streamed):
-        s = sizes[i]
-        ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
-        start = max(h2d_free, ready, -prologue)
-        rate = h2d_duplex if n > 0 else h2d_alone  # the previous subgroup's write-back runs alongside
-        end = start + rate.t(in_bytes(i) * s)
-        if end > start:
-            spans.append(SimSpan("h2d", i, start, end, in_bytes(i) * s / (end - start) / 1e9))
-        h2d_free = end
-        c0 = max(end, comp_free, -release)
-        comp_free = c0 + inp.gpu_adam.t(s)
-        spans.append(SimSpan("gpu", i, c0, comp_free))
-        d0 = max(comp_free, d2h_free)
-        last = n == len(streamed) - 1
-        rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
-        d2h_free = d0 + rate.t(STATE_BYTES * s)
-        d2h_end.append(d2h_free)
-        spans.append(SimSpan("d2h", i, d0, d2h_free, STATE_BYTES * s / (d2h_free - d0) / 1e9))
-    gpu_h2d_done = h2d_free
+    def gpu_lane(cpu_busy: Optional[list[tuple[float, float]]]):
+        """The GPU lane's spans with the CPU lane computing over ``cpu_busy`` (None: all along, where it has work),
+        the end of its inputs that CPU-lane uploads queue behind, and the end of its last write-back."""
+        if cpu_busy is None:
+            cpu_busy = [(-float("inf"), float("inf"))] if cpu else []
+        slowed = [(a, b, 1.0 / under_cpu) for a, b in cpu_busy] if under_cpu < 1.0 else []
+        spans: list[SimSpan] = []
+        comp_free = d2h_free = -release
+        for i in plan.resident:  # nothing to copy: their kernels go first
+            t = inp.gpu_adam.t(sizes[i])
+            spans.append(SimSpan("gpu", i, comp_free, comp_free + t))
+            comp_free += t
+        h2d_free = -prologue
+        ahead = -prologue
+        d2h_end: list[float] = []
+        streamed = [gs.subgroup for gs in plan.gpu_slots]
+        for n, i in enumerate(streamed):
+            s = sizes[i]
+            ready = d2h_end[n - nbuf] if n >= nbuf else -prologue
+            start = max(h2d_free, ready, -prologue)
+            rate = h2d_duplex if n > 0 else h2d_alone  # the previous subgroup's write-back runs alongside
+            end = _advance(start, rate.t(in_bytes(i) * s), slowed)
+            if end > start:
+                spans.append(SimSpan("h2d", i, start, end, in_bytes(i) * s / (end - start) / 1e9))
+            h2d_free = end
+            # The engine serves copies in submission order, so the CPU lane's uploads wait behind these inputs; a
+            # lent subgroup's half-precision gradients are widened by a kernel on the same stream between its copies,
+            # which lets an upload through (traced on the H200: the CPU lane's uploads went up beside the lent
+            # subgroups' inputs, after the GPU lane's own)
+            if i not in lent:
+                ahead = end
+            c0 = max(end, comp_free, -release)
+            comp_free = c0 + inp.gpu_adam.t(s)
+            spans.append(SimSpan("gpu", i, c0, comp_free))
+            d0 = max(comp_free, d2h_free)
+            last = n == len(streamed) - 1
+            rate = inp.d2h if (last and not cpu) else inp.d2h_duplex
+            d2h_free = d0 + rate.t(STATE_BYTES * s)
+            d2h_end.append(d2h_free)
+            spans.append(SimSpan("d2h", i, d0, d2h_free, STATE_BYTES * s / (d2h_free - d0) / 1e9))
+        return spans, ahead, d2h_free
 
     # CPU lane and its uploads, iterated: CPU speed depends on when DMA runs, uploads on when the CPU ends.
     # The worker (overlap_backward) updates every CPU-lane subgroup with dostune's kernel: those with shadow buffers as
@@ -226,14 +244,17 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             lane = _clip(dma, -float("inf"), 0.0) + _clip(_dma_segments(traffic, *step_contention), 0.0, float("inf"))
         return {True: _compose(bwd_segment, lane), False: dma}
 
+    spans, ahead, d2h_free = gpu_lane(None)
     slowdowns = slowdowns_of(spans + grad_spans)
     cpu_spans: list[SimSpan] = []
     up_spans: list[SimSpan] = []
-    for _ in range(max(1, iterations)):
+    for n_iter in range(max(1, iterations)):
+        if n_iter:  # the GPU lane again, its inputs slowed only where the CPU lane computed
+            spans, ahead, d2h_free = gpu_lane(_union([(x.start, x.end) for x in cpu_spans]))
         t = -bwd
         cpu_spans, up_spans = [], []
         form_ups: dict[bool, list[SimSpan]] = {True: [], False: []}
-        free, free_bwd = gpu_h2d_done, -bwd
+        free, free_bwd = ahead, -bwd
         for j in worker + in_place:
             w = overlap  # the worker's kernel, its ring and slowdowns (False: DeepSpeed's update at the step)
             s = sizes[j]
@@ -251,12 +272,12 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
             up_bytes = 2 if w or sched.upload == "cpu_convert" else 4
             if end < 0:  # uploaded during backward, on an otherwise idle H2D direction
                 u0 = max(free_bwd, end)
-                u1 = u0 + h2d_alone.t(up_bytes * s)
+                u1 = u0 + up_alone.t(up_bytes * s)
                 free_bwd = u1
                 up = SimSpan("up", j, u0, u1, up_bytes * s / max(u1 - u0, 1e-12) / 1e9)
             else:
                 u0 = max(free, end)
-                rate = h2d_duplex if u0 < d2h_free else h2d_alone
+                rate = up_duplex if u0 < d2h_free else up_alone
                 copy = rate.t(up_bytes * s)
                 u1 = u0 + copy + (inp.convert_gpu.t(s) if up_bytes == 4 else 0.0)
                 up = SimSpan("up", j, u0, u1, up_bytes * s / copy / 1e9)
