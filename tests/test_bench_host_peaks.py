@@ -3,6 +3,7 @@ memory as its row with the reason."""
 import pytest
 
 from dostune.bench import run as bench_run
+from dostune.errors import DostuneError
 from dostune.bench.host_peak import peak_rss_bytes, reset_host_peaks
 from dostune.bench.pool import combine_ranks, pool_rounds
 from dostune.bench.record import MethodResult, load_bench
@@ -77,3 +78,21 @@ def test_the_peak_rss_is_the_methods_own_from_its_reset():
     del big
     reset_host_peaks()
     assert peak_rss_bytes() < high - 200 * 2**20  # the earlier method's peak is gone
+
+
+def test_twin_flow_at_dostunes_memory_is_not_run_when_zero_offload_did_not_run(monkeypatch):
+    # llama-13b on 124 GiB: ZeRO-Offload's state does not fit the host, so there is no measured peak to match
+    # Twin-Flow's ratio to; its row says that (it used to run at ratio 1.0, i.e. as ZeRO-Offload, refused with
+    # ZeRO-Offload's figures)
+    ran = []
+    monkeypatch.setattr(bench_run, "run_method", lambda name, spec, opts, offload, progress:
+                        ran.append((name, offload.ratio)) or _ran(name, rss=100.0, pinned=90.0))
+    opts = bench_run.BenchOptions(model="llama-13b", methods=["zero-offload", "twin-flow-mem", "dostune"],
+                                  schedule=ScheduleConfig(gpu_fraction=0.5), host_available_bytes=124 * GiB)
+    # (dostune's own row is whatever this schedule's host memory allows: not what this test is about)
+    res = bench_run.run_bench(opts, command="pytest")
+    z, t = res.methods["zero-offload"], res.methods["twin-flow-mem"]
+    assert not {"zero-offload", "twin-flow-mem"} & {name for name, _ in ran} and not z.ran and not t.ran
+    assert "ZeRO-Offload did not run here" in t.error and "220" not in t.error
+    with pytest.raises(DostuneError, match="add dostune and zero-offload"):
+        bench_run.BenchOptions(methods=["dostune", "twin-flow-mem"]).resolved_methods()

@@ -106,8 +106,9 @@ class BenchOptions:
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise DostuneError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-        if "twin-flow-mem" in methods and "dostune" not in methods:
-            raise DostuneError("twin-flow-mem is sized from dostune's peak memory: add dostune to --methods")
+        if "twin-flow-mem" in methods and not {"dostune", "zero-offload"} <= set(methods):
+            raise DostuneError("twin-flow-mem is sized from dostune's peak GPU memory over ZeRO-Offload's: add dostune "
+                               "and zero-offload to --methods")
         if self.variants and "dostune" not in methods:
             raise DostuneError("more than one dostune config compares dostune schedules: add dostune to --methods")
         labels = [v.label for v in self.variants]
@@ -394,6 +395,10 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                     twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
             try:
+                if name == "twin-flow-mem" and twin_ratio is None:
+                    raise DostuneError("not run: its ratio matches dostune's peak GPU memory over ZeRO-Offload's, "
+                                       "and ZeRO-Offload did not run here (`dostune plan` shows what Twin-Flow needs "
+                                       "at each ratio)")
                 off, note = fit_host_memory(name, method_offload(name, opts, twin_ratio), numels, opts.precision,
                                             host_available)
             except DostuneError as e:
