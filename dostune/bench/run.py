@@ -49,7 +49,8 @@ METHODS: dict[str, str] = {
     "zero-offload": "DeepSpeed ZeRO-Offload: all optimizer state on the CPU (ratio 1.0)",
     "dostune": "dostune: interleaved CPU+GPU update of the offloaded state",
     "twin-flow-0.5": "DeepSpeed Twin-Flow: half the optimizer state on the GPU (ratio 0.5)",
-    "twin-flow-mem": "DeepSpeed Twin-Flow at the ratio that fits dostune's peak GPU memory",
+    "twin-flow-mem": "DeepSpeed Twin-Flow at the ratio that fits dostune's peak GPU memory, or the largest this "
+                     "host's memory holds",
     "superoffload": "DeepSpeed SuperOffload (offload_optimizer.super_offload)",
 }
 GPU_DEFAULT = ["no-offload", "zero-offload", "dostune", "twin-flow-0.5", "twin-flow-mem", "superoffload"]
@@ -196,7 +197,9 @@ def method_offload(name: str, opts: BenchOptions, twin_ratio: Optional[float]) -
     if name == "twin-flow-0.5":
         return OffloadSettings(sub_group_size=sgs, ratio=0.5)
     if name == "twin-flow-mem":
-        return OffloadSettings(sub_group_size=sgs, ratio=twin_ratio if twin_ratio is not None else 1.0)
+        if twin_ratio is None:
+            raise ValueError("twin-flow-mem's ratio is decided by run_bench (twin_flow_host_ratio)")
+        return OffloadSettings(sub_group_size=sgs, ratio=twin_ratio)
     if name == "superoffload":
         return OffloadSettings(sub_group_size=sgs, ratio=1.0, super_offload=True)
     v = opts.variant(name)
@@ -215,6 +218,31 @@ def twin_flow_matching_ratio(params: int, dostune_peak: float, offload_peak: flo
         raise DostuneError(f"Twin-Flow's matching ratio needs the model's parameter count, got {params}")
     extra = max(0.0, dostune_peak - offload_peak) * 2**30
     return round(min(1.0, max(0.0, 1.0 - extra / (16.0 * params))), 3)
+
+
+def twin_flow_host_ratio(matched: Optional[float], sub_group_size: int, numels: list[int], precision: str,
+                         host_available: Optional[int]) -> tuple[float, str]:
+    """twin-flow-mem's ratio and what to say of it: ``matched`` (dostune's peak GPU memory; None where ZeRO-Offload
+    did not run to match it against) where this host's memory holds it, else the largest ratio, in hundredths, that it
+    holds (Twin-Flow then keeps more on the GPU than dostune; a llama-13b on a 125 GiB host holds none that matches).
+    DostuneError where it holds none above 0 (ratio 0 is no offload)."""
+    def fits(ratio: float) -> bool:
+        try:
+            fit_host_memory("twin-flow-mem", OffloadSettings(sub_group_size=sub_group_size, ratio=ratio), numels,
+                            precision, host_available)
+        except DostuneError:
+            return False
+        return True
+
+    if matched is not None and fits(matched):
+        return matched, ""
+    top = round(100 * matched) if matched is not None else 100
+    held = next((k / 100 for k in range(top, 0, -1) if fits(k / 100)), None)
+    why = (f"dostune's GPU memory would need ratio {matched}" if matched is not None
+           else "ZeRO-Offload did not run to match dostune's GPU memory against")
+    if held is None:
+        raise DostuneError(f"not run: this host's memory holds no ratio of Twin-Flow's offload above 0 ({why})")
+    return held, f"the largest this host's memory holds; {why}"
 
 
 def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict, progress: ProgressSink) -> MethodResult:
@@ -385,20 +413,22 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
     host_available = opts.host_available_bytes if opts.host_available_bytes is not None else available_host_bytes()
     if host_available is not None:  # the ranks of one node share it
         host_available //= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    twin_ratio = None
+    twin: Optional[tuple[float, str]] = None  # twin-flow-mem's ratio and what to say of it, once decided
     for r in range(opts.rounds):
         # Reversed every other round: a machine that drifts over minutes then favours no method.
         for name in (methods if r % 2 == 0 else methods[::-1]):
-            if name == "twin-flow-mem" and twin_ratio is None:
-                d, z = runs.get("dostune"), runs.get("zero-offload")
-                if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
-                    twin_ratio = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
             sink = RoundProgress(progress, f"round {r + 1}/{opts.rounds}: ") if opts.rounds > 1 else progress
             try:
-                if name == "twin-flow-mem" and twin_ratio is None:
-                    raise DostuneError("not run: its ratio matches dostune's peak GPU memory over ZeRO-Offload's, "
-                                       "and ZeRO-Offload did not run here (`dostune plan` shows what Twin-Flow needs "
-                                       "at each ratio)")
+                if name == "twin-flow-mem" and twin is None:
+                    d, z = runs.get("dostune"), runs.get("zero-offload")
+                    matched = None
+                    if d and d[0].ran and z and z[0].ran and d[0].peak_gpu_gib is not None:
+                        matched = twin_flow_matching_ratio(params, d[0].peak_gpu_gib, z[0].peak_gpu_gib)
+                    elif not (d and d[0].ran):
+                        raise DostuneError("not run: its ratio is sized from dostune's peak GPU memory, and dostune "
+                                           "did not run")
+                    twin = twin_flow_host_ratio(matched, opts.sub_group_size, numels, opts.precision, host_available)
+                twin_ratio = twin[0] if twin is not None else None
                 off, note = fit_host_memory(name, method_offload(name, opts, twin_ratio), numels, opts.precision,
                                             host_available)
             except DostuneError as e:
@@ -408,7 +438,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                 if note and res.ran:
                     res.description += f" ({note})"
             if name == "twin-flow-mem" and res.ran:
-                res.description += f" (ratio {twin_ratio})"
+                res.description += f" (ratio {twin[0]}{': ' + twin[1] if twin[1] else ''})"
             runs[name].append(res)
             if on_result is not None and rank() == 0:  # every rank holds the same result; rank 0 keeps it
                 on_result(result())
