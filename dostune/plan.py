@@ -30,9 +30,10 @@ from .perfmodel.inputs import ModelInputs
 from .perfmodel.memory import GiB, predict_memory
 from .perfmodel.subgroups import param_numels, subgroup_sizes
 from .perfmodel.world import World, host_memory_gib
+from .profile.record import NodeProfile
 from .profile.timing import NullProgress, ProgressSink
 from .records import Record
-from .tune.limits import HostTooSmall, gpu_capacity_gib, least_host, usable_gpu_gib
+from .tune.limits import HostTooSmall, gpu_capacity_gib, least_host, unprofiled_step_ceiling_gib, usable_gpu_gib
 from .tune.record import TrialRecord
 from .tune.search import TuneOptions, build_space, emit_config, ranked, resolve_profiles, run_settings, trial_record
 from .tune.study import run_study
@@ -261,7 +262,7 @@ def memory_plan(opts: TuneOptions, progress: Optional[ProgressSink] = None) -> t
             opts.notes.append(f"{model_path.name} was measured with activation checkpointing: without it the "
                               "activations take more GPU memory than shown; pass --activation-checkpointing, or "
                               "profile the model without it")
-    search = _Search(opts, node_path, model_path, m, numels, micro_batch, precision, grad_buffer, node)
+    search = _Search(opts, node_path, model_path, m, numels, micro_batch, precision, grad_buffer, node, node_p)
     pick, config, zo_iter_s = search.pick(partition_gib, estimated, progress)
     plan = MemoryPlan(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), command=invocation(),
@@ -279,8 +280,8 @@ class _Search:
     """dostune's row: the tuner's search on the plan's profiles."""
 
     def __init__(self, opts: TuneOptions, node_path, model_path, m: Optional[ModelInputs], numels: list[int],
-                 micro_batch: int, precision: str, grad_buffer: int, node: _Node):
-        self.opts, self.m, self.numels, self.node = opts, m, numels, node
+                 micro_batch: int, precision: str, grad_buffer: int, node: _Node, node_p: NodeProfile):
+        self.opts, self.m, self.numels, self.node, self.node_p = opts, m, numels, node, node_p
         self.micro_batch, self.precision, self.grad_buffer = micro_batch, precision, grad_buffer
         # the profiles the plan read, named, so that the search reads the same ones and says nothing twice
         self.tune = replace(opts, profile=node_path, model_profile=model_path, notes=[], details=[])
@@ -300,7 +301,7 @@ class _Search:
         world = opts.world()
         if m is None:
             # no step's free memory measured: the GPU less the headroom and the parameter partition, a ceiling
-            budget = (node.gpu or 0.0) - partition_gib
+            budget = unprofiled_step_ceiling_gib(self.numels, self.node_p, world.size) or 0.0
             if budget <= 0:  # not even the parameters fit the GPU: no schedule to search
                 sizes = subgroup_sizes(self.numels, DEFAULT_SUB_GROUP_SIZE, world.size)
                 return self.needs("dostune", DEFAULT_SUB_GROUP_SIZE, sizes, ScheduleConfig(gpu_fraction=0.0)), \

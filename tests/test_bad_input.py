@@ -279,3 +279,19 @@ def test_a_model_profile_whose_zero_offload_the_host_cannot_hold_stops_in_one_li
     assert r.exit_code == 2 and len(lines) == 2 and "Traceback" not in r.output, r.output
     assert "model profile measures ZeRO-Offload's iterations, which this host cannot hold" in lines[0]
     assert "needs about 220" in lines[0] and lines[1].startswith("hint: profile it where") and not out.exists()
+
+
+def test_tune_without_a_model_profile_that_no_node_like_this_can_measure_says_what_to_give_instead(tmp_path):
+    """llama-13b on the shipped H200 profile (125 GiB host): a model profile runs ZeRO-Offload, which needs about
+    220 GiB there, so tune does not send the user to make one; it names the GPU budget to give instead."""
+    out = tmp_path / "tune"
+    r = CliRunner().invoke(app, ["tune", "--model", "llama-13b", "--profile", str(shipped_profile("h200-pcie5.json")),
+                                 "--output-dir", str(out)])
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 2 and "Traceback" not in r.output, r.output
+    assert "none can be measured there" in lines[0] and "needs about 220" in lines[0]
+    assert lines[1].startswith("hint: give --gpu-memory-budget at most 102 GiB on h200-pcie5") and not out.exists()
+    # a model whose ZeRO-Offload the node holds: measure its profile, as before
+    r = CliRunner().invoke(app, ["tune", "--model", "llama-7b", "--profile", str(shipped_profile("h200-pcie5.json")),
+                                 "--output-dir", str(out)])
+    assert r.exit_code == 2 and "dostune profile --model llama-7b" in r.output

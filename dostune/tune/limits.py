@@ -56,6 +56,20 @@ def gpu_capacity_gib(m: Optional[ModelInputs], node: NodeProfile) -> Optional[fl
     return node.gpu.memory_gib if node.gpu is not None else None
 
 
+def unprofiled_step_ceiling_gib(numels: list[int], node: NodeProfile, world_size: int = 1) -> Optional[float]:
+    """What a schedule may stage on the GPU during the step where no model profile measured the step's free memory:
+    the GPU less the headroom and the half-precision parameter partition at DeepSpeed's default sub_group_size. A
+    ceiling: activations and gathered layers come on top of it. None on a node profile without a GPU."""
+    from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
+    from ..optim.footprint import HALF_BYTES
+    from ..perfmodel.subgroups import subgroup_sizes
+
+    usable = usable_gpu_gib(gpu_capacity_gib(None, node))
+    if usable is None:
+        return None
+    return usable - HALF_BYTES * sum(subgroup_sizes(numels, DEFAULT_SUB_GROUP_SIZE, world_size)) / GiB
+
+
 def peak_limit_gib(m: ModelInputs, capacity_gib: Optional[float],
                    max_peak_increase: Optional[float]) -> Optional[float]:
     """The predicted peak GPU memory a schedule may reach: ZeRO-Offload's measured peak times 1 + max_peak_increase

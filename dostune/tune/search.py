@@ -12,9 +12,10 @@ from typing import Optional
 
 from .._version import __version__
 from ..optim.schedule import ScheduleConfig
-from ..dsconfig import (OffloadSettings, Target, TrainSettings, check_precision, check_target, deepspeed_config,
-                        hf_config)
+from ..dsconfig import (DEFAULT_SUB_GROUP_SIZE, OffloadSettings, Target, TrainSettings, check_precision, check_target,
+                        deepspeed_config, hf_config)
 from ..errors import DostuneError, ProfileError
+from ..host_memory import fit_host_memory
 from ..host_steal import steal_note
 from ..invocation import invocation
 from ..models.registry import resolve_model
@@ -22,7 +23,8 @@ from ..perfmodel.inputs import ModelInputs
 from ..perfmodel.model import Prediction
 from ..perfmodel.zero_offload import ZeroOffloadPrediction
 from ..perfmodel.subgroups import param_numels
-from ..perfmodel.world import WORLD_KEY, World, rank_inputs
+from ..perfmodel.memory import GiB
+from ..perfmodel.world import WORLD_KEY, World, host_memory_gib, rank_inputs
 from ..profile.identity import cuda_available
 from ..profile.model_record import PROBE_PASSES, ModelProfile, load_model_profile
 from ..profile.paths import measured_node_profile, shipped_profile
@@ -30,7 +32,8 @@ from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
-from .limits import check_host_room, gpu_capacity_gib, limits_line, peak_limit_gib, step_budget_gib, usable_gpu_gib
+from .limits import (GPU_HEADROOM_SHARE, check_host_room, gpu_capacity_gib, limits_line, peak_limit_gib, step_budget_gib,
+                     unprofiled_step_ceiling_gib, usable_gpu_gib)
 from .regime import NAMES, Scoring, check_regime, scoring
 from .space import Space
 from .study import SAMPLERS, SEARCH_SPACE_VERSION, check_storage, problem_key, run_study
@@ -135,12 +138,25 @@ def wide_pass_note(model: ModelProfile) -> Optional[str]:
             "another): the predictions take each pass's typical time, so a measured iteration may be off by as much")
 
 
-def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_path: Path,
-            node_name: str) -> Optional[float]:
+def _budget(opts: TuneOptions, m: ModelInputs, model_path: Optional[Path], node_path: Path, node_p: NodeProfile,
+            numels: list[int]) -> Optional[float]:
+    node_name = node_p.name
     if opts.gpu_memory_budget == "auto":
         if model_path is None:
             # the budget is only the first thing that needs the model profile: name what is missing
             w = opts.world()
+            host = host_memory_gib(node_p) * GiB / w.gpus_per_node
+            try:  # a model profile measures ZeRO-Offload: where the node cannot hold its state, none can be made there
+                fit_host_memory("zero-offload", OffloadSettings(sub_group_size=DEFAULT_SUB_GROUP_SIZE, ratio=1.0),
+                                numels, opts.precision, int(host))
+            except DostuneError as e:
+                ceiling = unprofiled_step_ceiling_gib(numels, node_p, w.size)
+                most = f"at most {ceiling:.0f} GiB on {node_name} (the GPU less a {GPU_HEADROOM_SHARE:.0%} headroom " \
+                       "and the parameter partition), less your micro-batch's activations" if ceiling else "in GiB"
+                raise ProfileError(f"no model profile for {opts.model} on {node_name}, and none can be measured there: "
+                                   f"a model profile runs ZeRO-Offload, whose {str(e).removeprefix('not run: its ')}",
+                                   hint=f"give --gpu-memory-budget {most}; `dostune plan --model {opts.model}` shows "
+                                        "what each method needs") from None
             suffix, how = (f"-{w.nodes}x{w.gpus_per_node}", f"deepspeed --num_gpus {w.gpus_per_node} --module "
                            "dostune.profile") if w.size > 1 else ("", "dostune profile")
             raise ProfileError(f"no model profile for {opts.model} on {node_name} ({w.describe()}): none given and no "
@@ -185,7 +201,7 @@ def build_space(opts: TuneOptions) -> tuple[Space, NodeProfile, Path, Optional[M
                           "and in tune.json): profile again with this dostune for closer predictions")
     check_host_room(space, opts.model, usable_gpu_gib(capacity))
     # after the host check: a model whose state no schedule fits is refused before asking for its model profile
-    space.budget_gib = _budget(opts, m, model_path, node_path, node_p.name)
+    space.budget_gib = _budget(opts, m, model_path, node_path, node_p, numels)
     space.regime = scored_regime(opts, model_p)
     opts.details.append(limits_line(space, capacity, opts.max_peak_increase))
     return space, node_p, node_path, model_p, model_path, m
