@@ -175,7 +175,7 @@ def simulate_step(sizes: Sequence[int], sched: ScheduleConfig, inp: NodeInputs, 
         the end of its inputs that CPU-lane uploads queue behind, and the end of its last write-back."""
         if cpu_busy is None:
             cpu_busy = [(-float("inf"), float("inf"))] if cpu else []
-        slowed = [(a, b, 1.0 / under_cpu) for a, b in cpu_busy] if under_cpu < 1.0 else []
+        slowed = [(a, b, 1.0 / under_cpu) for a, b in cpu_busy] if under_cpu != 1.0 else []
         spans: list[SimSpan] = []
         comp_free = d2h_free = -release
         for i in plan.resident:  # nothing to copy: their kernels go first
