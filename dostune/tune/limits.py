@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
 from ..errors import DostuneError
-from ..optim.footprint import gpu_step_bytes, pinned_host_bytes
+from ..optim.footprint import HALF_BYTES, gpu_step_bytes, pinned_host_bytes
 from ..optim.schedule import ScheduleConfig, gpu_fraction_for, make_plan
 from ..perfmodel.inputs import ModelInputs
 from ..perfmodel.memory import GiB
+from ..perfmodel.subgroups import subgroup_sizes
 from ..perfmodel.world import node_pinned_gib
 from ..profile.record import NodeProfile
 
@@ -60,10 +62,6 @@ def unprofiled_step_ceiling_gib(numels: list[int], node: NodeProfile, world_size
     """What a schedule may stage on the GPU during the step where no model profile measured the step's free memory:
     the GPU less the headroom and the half-precision parameter partition at DeepSpeed's default sub_group_size. A
     ceiling: activations and gathered layers come on top of it. None on a node profile without a GPU."""
-    from ..dsconfig import DEFAULT_SUB_GROUP_SIZE
-    from ..optim.footprint import HALF_BYTES
-    from ..perfmodel.subgroups import subgroup_sizes
-
     usable = usable_gpu_gib(gpu_capacity_gib(None, node))
     if usable is None:
         return None

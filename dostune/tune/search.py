@@ -32,8 +32,8 @@ from ..profile.record import NodeProfile, load_node_profile
 from ..records import check_writable
 from ..profile.timing import NullProgress, ProgressSink
 from .record import PredictedTimes, TrialRecord, TuneResult
-from .limits import (GPU_HEADROOM_SHARE, check_host_room, gpu_capacity_gib, limits_line, peak_limit_gib, step_budget_gib,
-                     unprofiled_step_ceiling_gib, usable_gpu_gib)
+from .limits import (GPU_HEADROOM_SHARE, check_host_room, gpu_capacity_gib, limits_line, peak_limit_gib,
+                     step_budget_gib, unprofiled_step_ceiling_gib, usable_gpu_gib)
 from .regime import NAMES, Scoring, check_regime, scoring
 from .space import Space
 from .study import SAMPLERS, SEARCH_SPACE_VERSION, check_storage, problem_key, run_study
