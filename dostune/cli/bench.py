@@ -118,8 +118,9 @@ def bench(
     """Train one model under each offload method and compare them.
 
     Same model, batch and seed for DeepSpeed ZeRO-Offload (ratio 1.0), Twin-Flow (ratio 0.5, and the ratio
-    that fits dostune's GPU memory or, where the host cannot hold that, the largest it holds), SuperOffload, no offload (the ceiling) and dostune. Reports forward,
-    backward, step and iteration time (medians), update rate, peak GPU memory, each method's measured host peak
+    that fits dostune's GPU memory or, where the host cannot hold that, the largest it holds), SuperOffload,
+    no offload (the ceiling) and dostune. Reports forward, backward, step and iteration time (medians), update
+    rate, peak GPU memory, each method's measured host peak
     (its process's peak RSS, and the host memory page-locked for it) and the final loss. A method whose host memory
     would not fit this host is not started: its row says what it needs and what there is (`dostune plan` shows
     that for every method beforehand).
