@@ -1,5 +1,7 @@
 """Each bench method's measured host peak (RSS and pinned) in the record and its rows, and a method refused for host
 memory as its row with the reason."""
+import re
+
 import pytest
 
 from dostune.bench import run as bench_run
@@ -107,3 +109,20 @@ def test_twin_flow_at_the_largest_ratio_the_host_holds_when_zero_offload_did_not
         ratio, "the largest this host's memory holds; dostune's GPU memory would need ratio 0.9")
     with pytest.raises(DostuneError, match="add dostune and zero-offload"):
         bench_run.BenchOptions(methods=["dostune", "twin-flow-mem"]).resolved_methods()
+
+
+def test_a_twin_flow_row_that_failed_says_the_ratio_it_ran_at(monkeypatch):
+    # llama-13b on one H200: at the largest ratio the host holds, the rest of the state overflows the GPU
+    def run(name, spec, opts, offload, progress):
+        if name == "twin-flow-mem":
+            return MethodResult(method=name, description=opts.describe(name), ran=False,
+                                error="OutOfMemoryError: CUDA out of memory")
+        return _ran(name, rss=100.0, pinned=90.0)
+
+    monkeypatch.setattr(bench_run, "run_method", run)
+    opts = bench_run.BenchOptions(model="llama-13b", methods=["zero-offload", "twin-flow-mem", "dostune"],
+                                  schedule=ScheduleConfig(gpu_fraction=0.9, resident_subgroups=70),
+                                  host_available_bytes=124 * GiB)
+    t = bench_run.run_bench(opts, command="pytest").methods["twin-flow-mem"]
+    assert not t.ran and t.error.startswith("OutOfMemoryError")
+    assert re.search(r"\(ratio 0\.\d+: the largest this host's memory holds; ", t.description)

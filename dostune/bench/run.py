@@ -437,7 +437,7 @@ def run_bench(opts: BenchOptions, progress: Optional[ProgressSink] = None, comma
                 res = run_method(name, spec, opts, off, sink)
                 if note and res.ran:
                     res.description += f" ({note})"
-            if name == "twin-flow-mem" and res.ran:
+            if name == "twin-flow-mem" and twin is not None:  # a row that failed says at which ratio too
                 res.description += f" (ratio {twin[0]}{': ' + twin[1] if twin[1] else ''})"
             runs[name].append(res)
             if on_result is not None and rank() == 0:  # every rank holds the same result; rank 0 keeps it
