@@ -17,6 +17,20 @@ from dostune.host_steal import cpu_times
 from stolen_host import FirstRunStolen
 
 
+class _Lines:
+    """A progress display that keeps each task's description and whether it was advanced to its total before the
+    next one began."""
+
+    def __init__(self):
+        self.tasks = []  # [description, total, advanced]
+
+    def start(self, description, total):
+        self.tasks.append([description, total, 0])
+
+    def advance(self, n=1):
+        self.tasks[-1][2] += n
+
+
 @pytest.fixture(scope="module")
 def tiny_bench():
     engines = []
@@ -33,16 +47,17 @@ def tiny_bench():
         opts = bench_run.BenchOptions(model="gpt2-tiny", micro_batch=2, seq=32, iters=3, warmup=1,
                                       methods=["dostune", "zero-offload"], sub_group_size=20_000,
                                       isolate=False)  # in this process, so the spy sees the engines
-        res = bench_run.run_bench(opts, command="pytest")
+        lines = _Lines()
+        res = bench_run.run_bench(opts, progress=lines, command="pytest")
     finally:
         engine_mod.build_engine = real
         bench_run.QuietRuns = FirstRunStolen.__base__
     gc.collect()
-    return res, engines
+    return res, engines, lines.tasks
 
 
 def test_methods_ran_with_same_math(tiny_bench):
-    res, _ = tiny_bench
+    res, _, _ = tiny_bench
     assert list(res.methods) == ["zero-offload", "dostune"]  # DeepSpeed's baseline first, whatever the order asked
     z, d = res.methods["zero-offload"], res.methods["dostune"]
     assert z.ran and d.ran
@@ -62,10 +77,22 @@ def test_methods_ran_with_same_math(tiny_bench):
     assert "step host time, median ms: before lanes " in d.description and "after lanes" in d.description
 
 
+def test_the_build_shows_its_parts_each_finished_before_the_next(tiny_bench):
+    # a large model's build takes minutes: the log says which part (and, if it dies, isolate says in which part)
+    _, _, tasks = tiny_bench
+    assert [t for t in tasks if "building" in t[0] and t[2] != t[1]] == []
+    builds = [d for d, _, _ in tasks if "building" in d]
+    assert builds == ["zero-offload: building the model", "zero-offload: building DeepSpeed's engine",
+                      "dostune: building the model", "dostune: building DeepSpeed's engine",
+                      "dostune: building dostune's lanes"]
+    z = [d for d, _, _ in tasks if d.startswith("zero-offload")]
+    assert z[:3] == builds[:2] + ["zero-offload: 1 warm-up + 3 timed iterations"]
+
+
 def test_each_method_records_its_measured_host_peak(tiny_bench):
     from dostune.bench.host_peak import peak_rss_bytes
 
-    res, _ = tiny_bench
+    res, _, _ = tiny_bench
     for m in res.methods.values():
         # the process's peak RSS from the engine's build on, where /proc says; nothing page-locked without CUDA
         assert (m.host_peak_rss_gib is None) == (peak_rss_bytes() is None)
@@ -74,7 +101,7 @@ def test_each_method_records_its_measured_host_peak(tiny_bench):
 
 
 def test_engines_are_freed_between_methods(tiny_bench):
-    _, engines = tiny_bench
+    _, engines, _ = tiny_bench
     assert len(engines) == 2
     assert all(ref() is None for ref in engines), "a finished engine is still referenced"
 
@@ -82,7 +109,7 @@ def test_engines_are_freed_between_methods(tiny_bench):
 def test_result_round_trip_and_renderings(tiny_bench, tmp_path):
     from dostune.records import save_record
 
-    res, _ = tiny_bench
+    res, _, _ = tiny_bench
     path = save_record(res, tmp_path / "bench.json")
     again = load_bench(path)
     assert again == res
@@ -204,7 +231,7 @@ def test_ratio_to_no_offload_pooled_and_per_round(monkeypatch):
 def test_version_1_bench_records_still_load(tiny_bench, tmp_path):
     import json
 
-    res, _ = tiny_bench
+    res, _, _ = tiny_bench
     data = json.loads(res.model_dump_json())
     data["schema_version"] = 1
     del data["rounds"]

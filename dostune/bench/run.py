@@ -248,9 +248,16 @@ def twin_flow_host_ratio(matched: Optional[float], sub_group_size: int, numels: 
 def _build_and_measure(name: str, spec: ModelSpec, opts: BenchOptions, cfg: dict, progress: ProgressSink) -> MethodResult:
     from ..train.engine import build_engine
 
-    progress.start(f"{name}: building the engine", 1)
+    begun = []
+
+    def phase(what: str) -> None:  # one progress line per part of the build: which part takes the time shows
+        if begun:
+            progress.advance()
+        begun.append(what)
+        progress.start(f"{name}: {what}", 1)
+
     reset_host_peaks()
-    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=is_dostune(name))
+    engine = build_engine(spec, cfg, seed=opts.seed, use_dostune=is_dostune(name), phase=phase)
     try:
         progress.advance()
         progress.start(f"{name}: {opts.warmup} warm-up + {opts.iters} timed iterations", opts.warmup + opts.iters)

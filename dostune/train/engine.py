@@ -137,26 +137,37 @@ def exit_skipping_teardown(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+# what build_engine reports as it goes (its ``phase``): the model partitioned as it is built, DeepSpeed's ZeRO-3 engine
+# (the offloaded fp32 state and CPU Adam's), dostune's lanes (host state page-locked in place, shadows, staging slots)
+BUILD_PHASES = ("building the model", "building DeepSpeed's engine", "building dostune's lanes")
+
+
 def build_engine(spec: ModelSpec, ds_config: dict, seed: int = 0, use_dostune: bool = True,
-                 rank_timeout_s: Optional[float] = None, seams=None):
+                 rank_timeout_s: Optional[float] = None, seams=None,
+                 phase: Optional[Callable[[str], None]] = None):
     """Build the model under ``deepspeed.zero.Init`` (so large models are partitioned as they are built), its
     transformer blocks ZeRO-3 leaf modules (leaf_blocks.py), and wrap it in a DeepSpeed engine; with ``use_dostune``
     a ``dostune`` section switches the optimizer (as ``dostune.initialize`` does, with the test ``seams`` of
     optim.cpu_lane.CpuLaneSeams if given). An ``activation_checkpointing`` section makes the model checkpoint every
     transformer block.
-    ``rank_timeout_s``: see ensure_distributed."""
+    ``rank_timeout_s``: see ensure_distributed. ``phase(what)``, if given, is called as each part of the build begins
+    (a large model's takes minutes, most of it in DeepSpeed's engine: its offloaded state allocated and copied)."""
     import deepspeed
 
     from ..optim.api import attach
 
+    phase = phase or (lambda what: None)
     ensure_distributed(rank_timeout_s)
     torch.manual_seed(seed)
+    phase(BUILD_PHASES[0])
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = spec.build(checkpointing=activation_checkpointing(ds_config))
     mark_leaf_blocks(model)  # every method's engine alike, so the profiles measure the engine training runs
+    phase(BUILD_PHASES[1])
     engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     if use_dostune:  # what dostune.initialize adds to deepspeed.initialize once the leaf blocks are marked
+        phase(BUILD_PHASES[2])
         attach(engine, seams=seams)
     return engine
 
