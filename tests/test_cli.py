@@ -164,3 +164,27 @@ def test_one_default_sub_group_size():
     assert cli == [DEFAULT_SUB_GROUP_SIZE] * 2
     assert {BenchOptions().sub_group_size, ModelProfileOptions().sub_group_size,
             OffloadSettings().sub_group_size} == {DEFAULT_SUB_GROUP_SIZE}
+
+
+def test_progress_in_a_log_is_a_line_per_phase_as_it_ends():
+    # a log (a file, a pipe, CI) gets each phase's line when the phase ends, not the whole display at exit
+    import io
+
+    from rich.console import Console
+
+    from dostune.cli.common import LogProgress, RichProgress, progress_display
+
+    log = io.StringIO()
+    console = Console(file=log, width=200)
+    progress = progress_display(console)
+    assert isinstance(progress, LogProgress)
+    with progress:
+        progress.start("zero-offload: building DeepSpeed's engine", 1)
+        progress.advance()
+        assert log.getvalue() == ""  # the phase has not ended
+        progress.start("zero-offload: 2 warm-up + 5 timed iterations", 7)
+        assert log.getvalue() == "  zero-offload: building DeepSpeed's engine  1/1  0:00:00\n"
+        progress.advance(3)
+    # stopped part-way (an error, Ctrl-C): the last phase's line says how far it got
+    assert log.getvalue().splitlines()[-1] == "  zero-offload: 2 warm-up + 5 timed iterations  3/7  0:00:00"
+    assert isinstance(progress_display(Console(file=io.StringIO(), force_terminal=True)), RichProgress)

@@ -20,7 +20,7 @@ from ..perfmodel.world import World, rank
 from ..profile.timing import NullProgress
 from ..records import atomic_write_text, check_writable, read_json_record, save_record
 from ..tune.refit import TunedConfig
-from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout,
+from .common import (err_console, flag, handle_errors, need_deepspeed, print_json, progress_display, quiet_stdout,
                      stop_code, stop_signal, stop_signals)
 
 
@@ -159,7 +159,7 @@ def bench(
         atomic_write_text(path.with_suffix(".md"), markdown(partial))
 
     # under the launcher rank 0 alone shows progress and writes the result, which holds every rank's figures
-    shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
+    shown = progress_display() if rank() == 0 else contextlib.nullcontext(NullProgress())
     # A world of one measures each method in a process of its own, which a SIGTERM must stop too (stop_signals makes
     # it a KeyboardInterrupt that bench/isolate.py passes on). A launcher's ranks measure in place and keep the
     # default SIGTERM: a rank waiting in a collective for a dead peer would not run a Python handler until it timed out.

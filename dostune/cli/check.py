@@ -97,9 +97,9 @@ def _fresh_run(base, ratio_only: bool):
                         iters=base.iters, warmup=base.warmup, seed=base.seed, methods=methods, schedule=sched,
                         sub_group_size=sgs(z) or DEFAULT_SUB_GROUP_SIZE, dostune_sub_group_size=sgs(d),
                         dostune_world=d.world, node=base.node)
-    from .common import RichProgress
+    from .common import progress_display
 
-    with RichProgress() as progress, quiet_stdout():
+    with progress_display() as progress, quiet_stdout():
         return run_bench(opts, progress)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -145,6 +146,45 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def elapsed_text(seconds: float) -> str:
+    """H:MM:SS, as rich's progress display shows a task's time."""
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class LogProgress:
+    """The commands' progress where stderr is a log, a pipe or CI rather than a terminal: a line as each phase ends,
+    with its count and time, written at once. A live display cannot redraw there: it writes nothing until it stops,
+    which leaves the log of a ten-minute `tune --validate` empty until its end, and empty for good if it is killed."""
+
+    def __init__(self, console: Console):
+        self._console = console
+        self._task = None  # [description, total, done, started]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._finish_current()
+        return False
+
+    def _finish_current(self):
+        if self._task is not None:
+            description, total, done, started = self._task
+            self._console.print(f"  {description}  {done}/{total}  {elapsed_text(time.monotonic() - started)}",
+                                markup=False, highlight=False, soft_wrap=True)
+            self._console.file.flush()
+            self._task = None
+
+    def start(self, description: str, total: int) -> None:
+        self._finish_current()
+        self._task = [description, max(total, 1), 0, time.monotonic()]
+
+    def advance(self, n: int = 1) -> None:
+        if self._task is not None:
+            self._task[2] += n
+
+
 class RichProgress:
     """ProgressSink backed by a rich progress display: one bar per measurement phase. The display starts with the
     first phase, so a command refused before any work prints its error alone."""
@@ -182,6 +222,11 @@ class RichProgress:
     def advance(self, n: int = 1) -> None:
         if self._task is not None:
             self._progress.advance(self._task, n)
+
+
+def progress_display(console: Console = err_console) -> RichProgress | LogProgress:
+    """The commands' progress: rich's live bars on a terminal, a line per finished phase anywhere else."""
+    return RichProgress(console) if console.is_terminal else LogProgress(console)
 
 
 def need_deepspeed(purpose: str) -> None:

@@ -14,7 +14,7 @@ from ..plan import MemoryPlan, MethodNeeds, describe_world, memory_plan
 from ..records import atomic_write_text, check_writable
 from ..tune.limits import GPU_HEADROOM_SHARE
 from ..tune.search import TuneOptions
-from .common import RichProgress, err_console, flag, handle_errors, print_json
+from .common import err_console, flag, handle_errors, print_json, progress_display
 
 
 def _gib(x: Optional[float]) -> str:
@@ -127,7 +127,7 @@ def plan(
                        precision=precision, activation_checkpointing=activation_checkpointing, num_gpus=num_gpus,
                        nodes=nodes, hostfile=hostfile, host_memory_budget=host_memory_budget, trials=trials,
                        seed=seed)
-    with RichProgress() as progress:
+    with progress_display() as progress:
         res, ds_config = memory_plan(opts, progress)
     err_console.print(render_plan(res))
     for line in plan_lines(res):

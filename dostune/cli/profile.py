@@ -17,7 +17,8 @@ from ..profile.paths import MEASURED, node_profile_path
 from ..profile.record import node_profile_schema
 from ..records import check_writable, save_record
 from ..profile.summary import summary_rows
-from .common import RichProgress, err_console, flag, handle_errors, need_deepspeed, print_json, quiet_stdout
+from .common import (err_console, flag, handle_errors, need_deepspeed, print_json, progress_display,
+                     quiet_stdout)
 
 
 _REPEATS, _THOROUGH_REPEATS = NODE_REPEATS["standard"], NODE_REPEATS["thorough"]
@@ -151,7 +152,7 @@ def profile(
     # Everything that can refuse the output refuses it now: measuring takes minutes on a GPU node.
     path = _output_path(output, force, lambda: node_profile_path(opts.name or node_name(gpu_info(device))))
     need_deepspeed("dostune profile")
-    with RichProgress() as progress, quiet_stdout():
+    with progress_display() as progress, quiet_stdout():
         prof = measure_node(opts, progress)
     save_record(prof, path)
     err_console.print(render_profile(prof))
@@ -219,7 +220,7 @@ def _profile_model(model, micro_batch, seq, dtype, sub_group_size, iters, node, 
         check_writable(plot, "--plot")
     need_deepspeed("dostune profile --model")
     # under the launcher rank 0 alone shows progress
-    shown = RichProgress() if rank() == 0 else contextlib.nullcontext(NullProgress())
+    shown = progress_display() if rank() == 0 else contextlib.nullcontext(NullProgress())
     with shown as progress, quiet_stdout():
         prof = measure_model(opts, progress)
     if rank() != 0:  # under the launcher every rank measured; rank 0 writes what they measured together

@@ -19,7 +19,7 @@ from ..tune.regime import NAMES
 from ..tune.search import TuneOptions, check_options, run_tune, trial_record
 from ..tune.search import output_dir as tune_output_dir
 from ..tune.study import SAMPLERS
-from .common import (RichProgress, err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json,
+from .common import (err_console, flag, handle_errors, need_deepspeed, parse_fraction, print_json, progress_display,
                      quiet_stdout, stop_code, stop_signal, stop_signals)
 
 
@@ -288,7 +288,7 @@ def tune(
             raise NotAvailable(f"{what} runs the schedules for real and needs a CUDA GPU",
                                hint=f"leave out {what} on this machine")
         need_deepspeed(f"dostune tune {what}")
-    with RichProgress() as progress:
+    with progress_display() as progress:
         res, ds_config, space = run_tune(opts, progress)
     out = tune_output_dir(opts)
     # the search's result is on disk before a validation starts: one stopped half-way loses neither
@@ -312,7 +312,7 @@ def tune(
             found, left_out = space.neighbours(best.sub_group_size, sched)
             near = [(label, trial_record(space, p)) for label, p in found]
             res.details += [f"neighbour left out of the run: {line}" for line in left_out]
-        with RichProgress() as progress, quiet_stdout(), stop_signals() as got:
+        with progress_display() as progress, quiet_stdout(), stop_signals() as got:
             run = run_validation(res, validate, seq=res.seq or 1024, iters=validate_iters, rounds=validate_rounds,
                                  progress=progress, activation_checkpointing=activation_checkpointing,
                                  clip=validate_clip, neighbours=near)
